@@ -1,0 +1,261 @@
+"""The `edge-agent` command line."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from agent import __version__
+from agent.errors import AgentError
+
+log = logging.getLogger("agent.cli")
+
+EXIT_USAGE = 2
+
+
+@contextlib.contextmanager
+def _native_logs_quiet(verbose: bool) -> Iterator[None]:
+    """LiteRT's C++ code logs to fd 2; keep it off the terminal unless -v.
+
+    Python logging keeps writing to the real stderr through a duplicated descriptor.
+    """
+    if verbose:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    stream = os.fdopen(os.dup(saved), "w", buffering=1)
+    old_stderr = sys.stderr
+    sys.stderr = stream
+    for h in logging.getLogger().handlers:
+        if isinstance(h, logging.StreamHandler):
+            h.setStream(stream)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        sys.stderr = old_stderr
+        for h in logging.getLogger().handlers:
+            if isinstance(h, logging.StreamHandler):
+                h.setStream(old_stderr)
+        stream.close()
+
+
+def _profile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", help="profile name or path to a .toml (default: detect)")
+
+
+def _resolve(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from agent.profile import resolve_profile
+
+    root = Path(getattr(args, "root", None) or "/")
+    return resolve_profile(args.profile, root)
+
+
+# ----------------------------------------------------------------------------- profile
+
+
+def cmd_profile_list(args: argparse.Namespace) -> int:
+    from agent.profile import list_profiles
+
+    for p in list_profiles():
+        r = p.runtime
+        print(
+            f"{p.name:24} {r.max_num_bytes / (1 << 20):8.0f} MiB  {r.num_threads} thr  "
+            f"{'>'.join(r.accelerators):20} {p.description}"
+        )
+    return 0
+
+
+def cmd_profile_show(args: argparse.Namespace) -> int:
+    from agent.profile import describe, resolve_profile
+
+    profile, reasons = resolve_profile(args.name, Path("/"))
+    print(describe(profile))
+    return 0
+
+
+def cmd_profile_detect(args: argparse.Namespace) -> int:
+    from agent.profile import detect
+
+    d = detect(Path(args.root))
+    if args.json:
+        print(json.dumps({"profile": d.profile.name, "reasons": list(d.reasons)}, indent=2))
+        return 0
+    print(f"profile: {d.profile.name}")
+    for r in d.reasons:
+        print(f"  - {r}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def cmd_model_inspect(args: argparse.Namespace) -> int:
+    from agent.runtime.inspect import inspect_report
+
+    report = inspect_report(Path(args.path))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        from agent.runtime.inspect import format_report
+
+        print(format_report(report))
+    return 0
+
+
+# ----------------------------------------------------------------------------- generate
+
+
+def _open_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from agent.engine.engine import Engine
+    from agent.modeldir import demo_model_dir
+
+    profile, reasons = _resolve(args)
+    for r in reasons:
+        log.info("profile %s: %s", profile.name, r)
+    model_dir = Path(args.model) if args.model else (profile.model.path or demo_model_dir())
+    return Engine(profile, model_dir, quantization=args.quantization)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from agent.engine.sampler import SamplingParams
+    from agent.engine.types import GenerateRequest
+
+    with _native_logs_quiet(args.verbose):
+        engine = _open_engine(args)
+    gen = engine.profile.generation
+    sampling = SamplingParams(
+        temperature=gen.temperature if args.temperature is None else args.temperature,
+        top_k=gen.top_k if args.top_k is None else args.top_k,
+        top_p=gen.top_p if args.top_p is None else args.top_p,
+        seed=args.seed,
+    )
+    request = GenerateRequest(
+        prompt=args.prompt, max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop)
+    )
+    cancel = threading.Event()
+    text: list[str] = []
+    tokens: list[int] = []
+    try:
+        for event in engine.generate(request, cancel):
+            text.append(event.text)
+            tokens.extend(event.token_ids)
+            if not args.json:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            if event.finish_reason is not None:
+                last = event
+    except KeyboardInterrupt:
+        cancel.set()
+        print("\n[cancelled]", file=sys.stderr)
+        return 130
+    stats = last.stats
+    assert stats is not None
+    if args.json:
+        doc = {
+            "text": "".join(text),
+            "tokens": tokens,
+            "finish_reason": last.finish_reason,
+            "model": {"name": engine.info.name, "quantization": engine.info.quantization},
+            "profile": engine.profile.name,
+            "stats": {
+                "ttft_ms": round(stats.ttft_ms, 2),
+                "prefill_tok_s": round(stats.prefill_tok_s, 1),
+                "decode_tok_s": round(stats.decode_tok_s, 1),
+                "accelerator": stats.accelerator,
+                "prompt_tokens": stats.prompt_tokens,
+                "generated_tokens": stats.generated_tokens,
+            },
+        }
+        print(json.dumps(doc, ensure_ascii=False))
+    else:
+        print()
+        print(
+            f"[{stats.generated_tokens} tokens, {last.finish_reason}; ttft {stats.ttft_ms:.1f} ms, "
+            f"prefill {stats.prefill_tok_s:.0f} tok/s, decode {stats.decode_tok_s:.0f} tok/s, "
+            f"{stats.accelerator}, {engine.info.name} {engine.info.quantization}, "
+            f"profile {engine.profile.name}]",
+            file=sys.stderr,
+        )
+    engine.close()
+    return 0
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edge-agent", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"edge-agent {__version__}")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log at INFO, show LiteRT logs"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    prof = sub.add_parser("profile", help="device profiles")
+    psub = prof.add_subparsers(dest="profile_command", required=True)
+    p = psub.add_parser("list", help="list shipped profiles")
+    p.set_defaults(func=cmd_profile_list)
+    p = psub.add_parser("show", help="show one profile")
+    p.add_argument("name", nargs="?", help="profile name or path (default: detect)")
+    p.set_defaults(func=cmd_profile_show)
+    p = psub.add_parser("detect", help="detect the board and say which profile fits and why")
+    p.add_argument("--root", default="/", help="root of the /proc, /dev tree to read")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_profile_detect)
+
+    model = sub.add_parser("model", help="model files")
+    msub = model.add_subparsers(dest="model_command", required=True)
+    p = msub.add_parser("inspect", help="signatures, KV layout, quantization, fused ops, sha256")
+    p.add_argument("path", help="a .tflite file or a model directory")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_model_inspect)
+
+    p = sub.add_parser("generate", help="stream a completion from the model")
+    p.add_argument("prompt")
+    _profile_arg(p)
+    p.add_argument("--root", default="/", help=argparse.SUPPRESS)
+    p.add_argument("--model", help="model directory (default: the profile's, else the demo model)")
+    p.add_argument("--quantization", help="pick this variant instead of the profile's choice")
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        rc: int = args.func(args)
+        return rc
+    except AgentError as exc:
+        print(f"edge-agent: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

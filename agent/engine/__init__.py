@@ -1,0 +1,1 @@
+"""Inference engine: sampling, request state and the decode loop above the runtime."""

@@ -1,0 +1,61 @@
+"""The one exception hierarchy of edge-agent.
+
+Every error the agent raises on purpose is an ``AgentError``. Foreign errors (LiteRT,
+SentencePiece, OS) are converted at the boundary that meets them (``raise X(...) from exc``),
+so callers above that boundary only ever see these types.
+"""
+
+from __future__ import annotations
+
+
+class AgentError(Exception):
+    """Base of every error edge-agent raises on purpose."""
+
+
+class ConfigError(AgentError):
+    """A profile or configuration value is wrong.
+
+    Messages name the file, the key, the bad value and what is allowed.
+    """
+
+    def __init__(self, source: str, key: str, value: object, allowed: str) -> None:
+        self.source = source
+        self.key = key
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{source}: {key} = {value!r} is not valid; allowed: {allowed}")
+
+
+class ProfileNotFound(AgentError):
+    """No profile of that name or path exists."""
+
+
+class ModelFormatError(AgentError):
+    """A model file or model directory does not have the expected shape."""
+
+
+class BudgetError(AgentError):
+    """Something does not fit the profile's memory budget; the message carries the numbers."""
+
+
+class AcceleratorError(AgentError):
+    """No accelerator in the profile's chain could be brought up."""
+
+
+class InvalidRequest(AgentError):
+    """A generation or tokenize request is malformed or out of range."""
+
+
+class ContextOverflow(InvalidRequest):
+    """A prompt (plus what it asks to generate) does not fit the model's context."""
+
+    def __init__(self, prompt_tokens: int, context_length: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.context_length = context_length
+        super().__init__(
+            f"prompt is {prompt_tokens} tokens but the model's context holds {context_length}"
+        )
+
+
+class RuntimeFailure(AgentError):
+    """LiteRT failed while running a signature."""

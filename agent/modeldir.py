@@ -1,0 +1,218 @@
+"""A model directory: one or more `.tflite` variants, a SentencePiece tokenizer and metadata.
+
+Layout::
+
+    <dir>/metadata.json
+    <dir>/tokenizer.model
+    <dir>/<variant files>.tflite
+
+``metadata.json`` (written by the toolchain, read here)::
+
+    {
+      "format": 1,
+      "name": "edge-demo-pystdlib", "version": "1.0.0",
+      "context_length": 1024,
+      "tokenizer": "tokenizer.model",
+      "bos_id": 1, "eos_id": 2, "stop_token_ids": [2],
+      "chat_template": "{system}\\n{user}\\n",
+      "variants": [
+        {"file": "model_int8.tflite", "quantization": "int8",
+         "sha256": "...", "size": 5800000}
+      ]
+    }
+
+Quantization names: ``fp32``, ``int8``, ``int4_block32``, ``int4_block64``,
+``int4_block128``, ``mixed``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.errors import ModelFormatError
+
+QUANTIZATIONS = (
+    "fp32",
+    "int8",
+    "int4_block32",
+    "int4_block64",
+    "int4_block128",
+    "mixed",
+)
+METADATA_FILE = "metadata.json"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One `.tflite` file of a model directory."""
+
+    file: str
+    quantization: str
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelMeta:
+    """What `metadata.json` says about a model directory."""
+
+    directory: Path
+    name: str
+    version: str
+    context_length: int
+    tokenizer: str
+    bos_id: int
+    eos_id: int
+    stop_token_ids: tuple[int, ...]
+    chat_template: str
+    variants: tuple[Variant, ...]
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.directory / self.tokenizer
+
+    def variant(self, quantization: str) -> Variant:
+        for v in self.variants:
+            if v.quantization == quantization:
+                return v
+        have = ", ".join(v.quantization for v in self.variants)
+        raise ModelFormatError(
+            f"{self.directory}: no {quantization!r} variant; the directory has: {have}"
+        )
+
+    def path_of(self, variant: Variant) -> Path:
+        return self.directory / variant.file
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _field(raw: dict[str, Any], key: str, kind: type, where: Path) -> Any:
+    if key not in raw:
+        raise ModelFormatError(f"{where}: missing key {key!r}")
+    value = raw[key]
+    if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
+        raise ModelFormatError(f"{where}: {key} = {value!r} should be of type {kind.__name__}")
+    return value
+
+
+def load_model_dir(directory: Path) -> ModelMeta:
+    """Read and check `metadata.json` of a model directory (does not hash the files)."""
+    where = directory / METADATA_FILE
+    try:
+        raw = json.loads(where.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ModelFormatError(f"{directory}: not a model directory (no {METADATA_FILE})") from exc
+    except (OSError, ValueError) as exc:
+        raise ModelFormatError(f"{where}: cannot read: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ModelFormatError(f"{where}: expected a JSON object")
+    fmt = _field(raw, "format", int, where)
+    if fmt != FORMAT_VERSION:
+        raise ModelFormatError(
+            f"{where}: format {fmt} is not supported (expected {FORMAT_VERSION})"
+        )
+    variants = []
+    for i, v in enumerate(_field(raw, "variants", list, where)):
+        if not isinstance(v, dict):
+            raise ModelFormatError(f"{where}: variants[{i}] should be an object")
+        quant = _field(v, "quantization", str, where)
+        if quant not in QUANTIZATIONS:
+            raise ModelFormatError(
+                f"{where}: variants[{i}].quantization = {quant!r}; allowed: {', '.join(QUANTIZATIONS)}"
+            )
+        variants.append(
+            Variant(
+                file=_field(v, "file", str, where),
+                quantization=quant,
+                sha256=_field(v, "sha256", str, where),
+                size=_field(v, "size", int, where),
+            )
+        )
+    if not variants:
+        raise ModelFormatError(f"{where}: no variants listed")
+    stops = _field(raw, "stop_token_ids", list, where)
+    return ModelMeta(
+        directory=directory,
+        name=_field(raw, "name", str, where),
+        version=_field(raw, "version", str, where),
+        context_length=_field(raw, "context_length", int, where),
+        tokenizer=_field(raw, "tokenizer", str, where),
+        bos_id=_field(raw, "bos_id", int, where),
+        eos_id=_field(raw, "eos_id", int, where),
+        stop_token_ids=tuple(int(t) for t in stops),
+        chat_template=str(raw.get("chat_template", "{user}")),
+        variants=tuple(variants),
+    )
+
+
+def write_model_dir_metadata(
+    directory: Path,
+    *,
+    name: str,
+    version: str,
+    context_length: int,
+    bos_id: int,
+    eos_id: int,
+    stop_token_ids: Iterable[int],
+    chat_template: str,
+    variants: Iterable[tuple[str, str]],
+    tokenizer: str = "tokenizer.model",
+) -> Path:
+    """Write `metadata.json` for files already in `directory`.
+
+    `variants` are ``(file name, quantization)`` pairs; sizes and sha256 are computed here.
+    The file is written atomically (temp file, fsync, rename).
+    """
+    entries = []
+    for file, quant in variants:
+        if quant not in QUANTIZATIONS:
+            raise ModelFormatError(f"unknown quantization {quant!r}; allowed: {QUANTIZATIONS}")
+        path = directory / file
+        entries.append(
+            {
+                "file": file,
+                "quantization": quant,
+                "sha256": sha256_file(path),
+                "size": path.stat().st_size,
+            }
+        )
+    doc = {
+        "format": FORMAT_VERSION,
+        "name": name,
+        "version": version,
+        "context_length": context_length,
+        "tokenizer": tokenizer,
+        "bos_id": bos_id,
+        "eos_id": eos_id,
+        "stop_token_ids": list(stop_token_ids),
+        "chat_template": chat_template,
+        "variants": entries,
+    }
+    target = directory / METADATA_FILE
+    tmp = target.with_suffix(".json.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    return target
+
+
+def demo_model_dir() -> Path:
+    """The demo model shipped inside the package."""
+    return Path(__file__).parent / "models" / "demo"

@@ -1,0 +1,1 @@
+"""Models shipped with the package (the demo model lives in demo/)."""

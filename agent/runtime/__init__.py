@@ -1,0 +1,1 @@
+"""Runtime layer: the only code that talks to LiteRT and SentencePiece."""

@@ -1,0 +1,192 @@
+"""Recognise the generative-export layout of a `.tflite` LLM from its signatures.
+
+The format (litert-torch's generative converter, the litert-community "ekv" models): one
+``decode`` signature and one or more ``prefill_<N>`` signatures; inputs ``tokens`` [1, N] int32,
+``input_pos`` [N] int32, optional ``mask``, and per layer ``kv_cache_k_<i>`` / ``kv_cache_v_<i>``
+that come back updated as outputs of the same name; ``decode`` also outputs ``logits``
+[1, 1, vocab].
+
+KV layouts: *default* K and V are [1, kv_max, kv_heads, head_dim]; *transposed* K is
+[1, kv_heads, kv_max, head_dim] and V is [1, kv_heads, head_dim, kv_max].
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from agent.errors import ModelFormatError
+from agent.runtime.modelfile import ModelFile, SignatureIO, TensorInfo
+
+_PREFILL = re.compile(r"^prefill(?:_(\d+))?$")
+_KV = re.compile(r"^kv_cache_([kv])_(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of one session's KV cache."""
+
+    name: str  # "default" | "transposed"
+    num_layers: int
+    k_shape: tuple[int, ...]
+    v_shape: tuple[int, ...]
+    k_seq_axis: int
+    v_seq_axis: int
+    dtype: str
+    itemsize: int
+
+    @property
+    def context_length(self) -> int:
+        return self.k_shape[self.k_seq_axis]
+
+    @property
+    def bytes_per_session(self) -> int:
+        k = v = self.itemsize
+        for d in self.k_shape:
+            k *= d
+        for d in self.v_shape:
+            v *= d
+        return self.num_layers * (k + v)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_session // self.context_length
+
+    def names(self) -> list[str]:
+        out = []
+        for i in range(self.num_layers):
+            out += [f"kv_cache_k_{i}", f"kv_cache_v_{i}"]
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    key: str
+    length: int  # tokens per call
+    has_mask: bool
+    mask_shape: tuple[int, ...]
+    has_logits: bool
+    other_inputs: tuple[str, ...]  # inputs beyond tokens/input_pos/mask/kv (must be none)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLayout:
+    decode: Signature
+    prefill: tuple[Signature, ...]  # sorted by length
+    kv: KVLayout
+    vocab_size: int
+
+    @property
+    def context_length(self) -> int:
+        return self.kv.context_length
+
+
+def _fail(what: str, found: str) -> ModelFormatError:
+    return ModelFormatError(
+        f"not a generative LLM export: expected {what}; found {found}. "
+        "edge-agent reads the litert-torch generative format (prefill_<N> and decode "
+        "signatures with tokens, input_pos and kv_cache_k_<i>/kv_cache_v_<i>)"
+    )
+
+
+def _kv_tensors(sig: SignatureIO) -> dict[tuple[str, int], TensorInfo]:
+    found = {}
+    for t in sig.inputs:
+        m = _KV.match(t.name)
+        if m:
+            found[(m.group(1), int(m.group(2)))] = t
+    return found
+
+
+def _kv_layout(sig: SignatureIO, context_length: int | None) -> KVLayout:
+    kv = _kv_tensors(sig)
+    if not kv:
+        raise _fail(
+            "kv_cache_k_<i>/kv_cache_v_<i> inputs", f"inputs {[t.name for t in sig.inputs]}"
+        )
+    layers = 1 + max(i for _, i in kv)
+    for i in range(layers):
+        for part in "kv":
+            if (part, i) not in kv:
+                raise _fail(f"kv_cache_{part}_{i}", f"layers 0..{layers - 1} with a gap")
+    k, v = kv[("k", 0)], kv[("v", 0)]
+    if len(k.shape) != 4 or len(v.shape) != 4:
+        raise _fail("rank-4 KV tensors", f"K {k.shape}, V {v.shape}")
+    if any(kv[("k", i)].shape != k.shape or kv[("v", i)].shape != v.shape for i in range(layers)):
+        raise _fail("the same KV shape in every layer", "layers of different shapes")
+    if k.shape == v.shape:
+        # default: [1, kv_max, heads, dim]; transposed with kv_max == dim also looks like this,
+        # so a known context length decides.
+        if context_length is not None and k.shape[1] != context_length:
+            if k.shape[2] == context_length:
+                name, ks, vs = "transposed", 2, 3
+            else:
+                raise _fail(f"a KV axis of length {context_length}", f"K {k.shape}")
+        else:
+            name, ks, vs = "default", 1, 1
+    elif k.shape[2] == v.shape[3] and k.shape[3] == v.shape[2] and k.shape[1] == v.shape[1]:
+        name, ks, vs = "transposed", 2, 3
+    else:
+        raise _fail("default or transposed KV layout", f"K {k.shape}, V {v.shape}")
+    if k.dtype != "float32" and k.dtype != "float16":
+        raise _fail("float KV cache", f"{k.dtype}")
+    return KVLayout(
+        name, layers, k.shape, v.shape, ks, vs, k.dtype, 4 if k.dtype == "float32" else 2
+    )
+
+
+def _signature(sig: SignatureIO, length_hint: int | None) -> Signature:
+    tokens = sig.input("tokens")
+    pos = sig.input("input_pos")
+    if tokens is None or pos is None:
+        raise _fail(f"{sig.key}: tokens and input_pos inputs", f"{[t.name for t in sig.inputs]}")
+    if tokens.dtype != "int32" or pos.dtype != "int32":
+        raise _fail(f"{sig.key}: int32 tokens/input_pos", f"{tokens.dtype}/{pos.dtype}")
+    length = tokens.shape[-1] if tokens.shape else 1
+    if length_hint is not None and length != length_hint:
+        raise _fail(f"{sig.key}: tokens of length {length_hint}", f"shape {tokens.shape}")
+    mask = sig.input("mask")
+    known = {"tokens", "input_pos", "mask"}
+    other = tuple(t.name for t in sig.inputs if t.name not in known and not _KV.match(t.name))
+    if other:
+        raise _fail(f"{sig.key}: no inputs beyond tokens, input_pos, mask and KV", f"{other}")
+    for t in sig.inputs:
+        if _KV.match(t.name) and sig.output(t.name) is None:
+            raise _fail(f"{sig.key}: output {t.name} (the updated cache)", "no such output")
+    return Signature(
+        key=sig.key,
+        length=length,
+        has_mask=mask is not None,
+        mask_shape=mask.shape if mask is not None else (),
+        has_logits=sig.output("logits") is not None,
+        other_inputs=other,
+    )
+
+
+def discover_layout(model: ModelFile, context_length: int | None = None) -> ModelLayout:
+    """Find the decode/prefill signatures, KV layout and vocabulary of an exported LLM."""
+    by_key = {s.key: s for s in model.signatures}
+    found = sorted(by_key) or ["no signatures"]
+    if "decode" not in by_key:
+        raise _fail("a 'decode' signature", f"signatures {found}")
+    decode_io = by_key["decode"]
+    decode = _signature(decode_io, 1)
+    logits = decode_io.output("logits")
+    if logits is None or not logits.shape:
+        raise _fail(
+            "decode output 'logits' [1, 1, vocab]", f"{[t.name for t in decode_io.outputs]}"
+        )
+    kv = _kv_layout(decode_io, context_length)
+    prefill = []
+    for key, sig in by_key.items():
+        m = _PREFILL.match(key)
+        if not m:
+            continue
+        p = _signature(sig, int(m.group(1)) if m.group(1) else None)
+        if _kv_layout(sig, kv.context_length) != kv:
+            raise _fail(f"{key}: the same KV layout as decode", "a different one")
+        prefill.append(p)
+    if not prefill:
+        raise _fail("at least one 'prefill_<N>' signature", f"signatures {found}")
+    prefill.sort(key=lambda s: s.length)
+    return ModelLayout(decode=decode, prefill=tuple(prefill), kv=kv, vocab_size=logits.shape[-1])

@@ -1,0 +1,473 @@
+"""The only module that imports LiteRT: load an exported LLM, bind its KV cache, run it.
+
+Two execution paths behind one interface (`Runner`):
+
+* ``CompiledModel`` (primary): the runtime creates each session's KV buffers once; the same
+  buffer is bound as the input *and* the output of a signature, so the model updates the cache
+  in place and nothing is copied per token.
+* ``Interpreter`` (fallback, and the path for TFLite external delegates): the session's KV
+  lives in our arrays; before a signature runs its input tensors are loaded (only when another
+  session or signature wrote since), and after it runs only the rows it wrote are copied back.
+  The KV cache never travels through a signature runner.
+
+Which path and which accelerator come from the profile's ordered chain; a link that fails
+falls back to the next one with one warning naming the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from agent.errors import AcceleratorError, BudgetError, ModelFormatError, RuntimeFailure
+from agent.profile import DeviceProfile
+from agent.runtime.layout import ModelLayout, Signature, discover_layout
+from agent.runtime.modelfile import ModelFile, read_model_file
+
+log = logging.getLogger(__name__)
+
+Logits = npt.NDArray[np.float32]
+_NEG = np.float32(-np.inf)
+MIB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """What loading a model costs, counted before anything is allocated."""
+
+    weights: int  # the mapped model file
+    packed_weights: int  # XNNPACK repacks weights into its own layout
+    activations: int  # the signatures' intermediate tensors (upper bound: no arena sharing)
+    kv_per_session: int
+    sessions: int
+    budget: int
+
+    @property
+    def total(self) -> int:
+        return (
+            self.weights
+            + self.packed_weights
+            + self.activations
+            + self.kv_per_session * self.sessions
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.total / MIB:.1f} MiB = weights {self.weights / MIB:.1f} + packed weights "
+            f"{self.packed_weights / MIB:.1f} + activations {self.activations / MIB:.1f} + KV "
+            f"{self.kv_per_session / MIB:.2f} x {self.sessions} session(s)"
+        )
+
+
+class KVCache(Protocol):
+    """One session's KV cache as the runner holds it (opaque above the runtime)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class Runner(Protocol):
+    """What the engine needs from a runtime."""
+
+    layout: ModelLayout
+    accelerator: str
+
+    def new_kv(self) -> KVCache: ...
+    def prefill(self, kv: KVCache, tokens: Sequence[int], start: int) -> None: ...
+    def decode(self, kv: KVCache, token: int, pos: int) -> Logits: ...
+    def close(self) -> None: ...
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One signature call of a prefill plan: `count` real tokens padded to `signature.length`."""
+
+    signature: Signature
+    offset: int  # index into the tokens being prefilled
+    count: int
+
+
+def plan_prefill(layout: ModelLayout, n: int, start: int) -> list[Call]:
+    """Split `n` tokens starting at position `start` into signature calls.
+
+    Each call uses the smallest prefill signature that holds the rest, or the largest one when
+    none does. A padded call must not run past the end of the cache (the model's
+    DYNAMIC_UPDATE_SLICE would clamp and overwrite valid rows), so near the end smaller
+    signatures are used, and finally the decode signature one token at a time.
+    """
+    calls: list[Call] = []
+    ctx = layout.context_length
+    done = 0
+    while done < n:
+        rest, pos = n - done, start + done
+        fitting = [s for s in layout.prefill if pos + s.length <= ctx]
+        holding = [s for s in fitting if s.length >= rest]
+        if holding:
+            sig = holding[0]
+        elif fitting:
+            sig = fitting[-1]
+        else:
+            sig = layout.decode
+        count = min(rest, sig.length)
+        calls.append(Call(sig, done, count))
+        done += count
+    return calls
+
+
+def _mask(rows: int, first_pos: int, ctx: int, shape: tuple[int, ...]) -> npt.NDArray[np.float32]:
+    """Causal mask: row i may attend to positions <= first_pos + i."""
+    cols = np.arange(ctx, dtype=np.int64)[None, :]
+    limit = first_pos + np.arange(rows, dtype=np.int64)[:, None]
+    m = np.where(cols <= limit, np.float32(0), _NEG).astype(np.float32)
+    return m.reshape(shape)
+
+
+# ----------------------------------------------------------------------------- CompiledModel
+
+
+@dataclass(slots=True)
+class _BoundKV:
+    buffers: dict[str, Any]
+    nbytes: int
+
+
+@dataclass(slots=True)
+class _SigIO:
+    tokens: Any
+    input_pos: Any
+    mask: Any | None
+    logits: Any | None
+    logits_size: int = 0
+
+
+class _CompiledRunner:
+    """CompiledModel with runtime-created KV buffers bound in place."""
+
+    def __init__(
+        self,
+        path: Path,
+        layout: ModelLayout,
+        accelerator: str,
+        threads: int,
+        cache_dir: str | None,
+        npu_library: str | None,
+    ) -> None:
+        from ai_edge_litert.compiled_model import CompiledModel
+        from ai_edge_litert.cpu_kernel_mode import CpuKernelMode
+        from ai_edge_litert.cpu_options import CpuOptions
+        from ai_edge_litert.environment import Environment
+        from ai_edge_litert.hardware_accelerator import HardwareAccelerator as HW
+        from ai_edge_litert.options import Options
+
+        self.layout = layout
+        kernel = CpuKernelMode.BUILTIN if accelerator == "cpu" else CpuKernelMode.XNNPACK
+        hw = {"npu": HW.NPU | HW.CPU, "gpu": HW.GPU | HW.CPU}.get(accelerator, HW.CPU)
+        cpu = CpuOptions(
+            num_threads=threads, kernel_mode=kernel, xnnpack_weight_cache_path=cache_dir or ""
+        )
+        env = Environment.create(dispatch_library_path=npu_library) if npu_library else None
+        self._model = CompiledModel.from_file(
+            str(path), options=Options(hardware_accelerators=hw, cpu_options=cpu), environment=env
+        )
+        self.accelerator = accelerator
+        if accelerator == "npu" and not self._model.is_fully_accelerated():
+            self.accelerator = "npu+cpu"
+        self._io = {s.key: self._make_io(s) for s in (layout.decode, *layout.prefill)}
+
+    def _make_io(self, sig: Signature) -> _SigIO:
+        m = self._model
+        logits = m.create_output_buffer_by_name(sig.key, "logits") if sig.has_logits else None
+        size = 0
+        if logits is not None:
+            size = int(np.prod(logits.get_tensor_details()["shape"]))
+        return _SigIO(
+            tokens=m.create_input_buffer_by_name(sig.key, "tokens"),
+            input_pos=m.create_input_buffer_by_name(sig.key, "input_pos"),
+            mask=m.create_input_buffer_by_name(sig.key, "mask") if sig.has_mask else None,
+            logits=logits,
+            logits_size=size,
+        )
+
+    def new_kv(self) -> _BoundKV:
+        kv = self.layout.kv
+        buffers = {}
+        for name in kv.names():
+            buf = self._model.create_input_buffer_by_name("decode", name)
+            shape = kv.k_shape if "_k_" in name else kv.v_shape
+            # Fresh buffers are not zeroed: a NaN in a masked row would still poison attention.
+            buf.write(np.zeros(shape, dtype=np.float32))
+            buffers[name] = buf
+        return _BoundKV(buffers, kv.bytes_per_session)
+
+    def _run(self, sig: Signature, kv: _BoundKV, tokens: Sequence[int], pos: int) -> None:
+        io = self._io[sig.key]
+        n = sig.length
+        padded = np.zeros((1, n), dtype=np.int32)
+        padded[0, : len(tokens)] = tokens
+        io.tokens.write(padded)
+        io.input_pos.write(np.arange(pos, pos + n, dtype=np.int32))
+        inputs = {"tokens": io.tokens, "input_pos": io.input_pos, **kv.buffers}
+        if io.mask is not None:
+            io.mask.write(_mask(n, pos, self.layout.context_length, sig.mask_shape))
+            inputs["mask"] = io.mask
+        outputs = dict(kv.buffers)
+        if io.logits is not None:
+            outputs["logits"] = io.logits
+        try:
+            self._model.run_by_name(sig.key, inputs, outputs)
+        except RuntimeError as exc:
+            raise RuntimeFailure(f"{sig.key} failed: {exc}") from exc
+
+    def prefill(self, kv: _BoundKV, tokens: Sequence[int], start: int) -> None:
+        for call in plan_prefill(self.layout, len(tokens), start):
+            chunk = tokens[call.offset : call.offset + call.count]
+            self._run(call.signature, kv, chunk, start + call.offset)
+
+    def decode(self, kv: _BoundKV, token: int, pos: int) -> Logits:
+        self._run(self.layout.decode, kv, [token], pos)
+        io = self._io["decode"]
+        out: Logits = io.logits.read(io.logits_size, np.float32)
+        return out
+
+    def close(self) -> None:
+        self._io.clear()
+        self._model.close()
+
+
+# ----------------------------------------------------------------------------- Interpreter
+
+
+@dataclass(slots=True)
+class _HostKV:
+    arrays: dict[str, npt.NDArray[np.float32]]
+    nbytes: int
+    version: int = 0
+    # which signature's input tensors hold which version of this cache
+    loaded: dict[str, int] = field(default_factory=dict)
+
+
+class _InterpreterRunner:
+    """Classic Interpreter: views of the KV input tensors, copy back only the new rows."""
+
+    def __init__(
+        self,
+        path: Path,
+        layout: ModelLayout,
+        accelerator: str,
+        threads: int,
+        delegate: tuple[str, dict[str, str]] | None,
+    ) -> None:
+        from ai_edge_litert.interpreter import Interpreter, OpResolverType, load_delegate
+
+        self.layout = layout
+        delegates = []
+        if delegate is not None:
+            delegates.append(load_delegate(delegate[0], delegate[1]))
+        resolver = (
+            OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
+            if accelerator == "cpu"
+            else OpResolverType.AUTO
+        )
+        self._it = Interpreter(
+            model_path=str(path),
+            num_threads=threads,
+            experimental_delegates=delegates or None,
+            experimental_op_resolver_type=resolver,
+        )
+        self.accelerator = accelerator
+        self._w = self._it._interpreter  # the wrapper: per-subgraph tensors without a runner
+        defs = self._it._get_full_signature_list()
+        self._sub: dict[str, int] = {}
+        self._in: dict[str, dict[str, int]] = {}
+        self._out: dict[str, dict[str, int]] = {}
+        for sig in (layout.decode, *layout.prefill):
+            sub = self._w.GetSubgraphIndexFromSignature(sig.key)
+            self._w.AllocateTensors(sub)
+            self._sub[sig.key] = sub
+            self._in[sig.key] = dict(defs[sig.key]["inputs"])
+            self._out[sig.key] = dict(defs[sig.key]["outputs"])
+        self._owner: dict[str, int] = {}  # signature -> id() of the cache in its tensors
+
+    def _view(self, key: str, index: int) -> npt.NDArray[Any]:
+        view: npt.NDArray[Any] = self._w.tensor(self._w, index, self._sub[key])
+        return view
+
+    def new_kv(self) -> _HostKV:
+        kv = self.layout.kv
+        arrays = {
+            n: np.zeros(kv.k_shape if "_k_" in n else kv.v_shape, dtype=np.float32)
+            for n in kv.names()
+        }
+        return _HostKV(arrays, kv.bytes_per_session)
+
+    def _rows(self, name: str) -> int:
+        kv = self.layout.kv
+        return kv.k_seq_axis if "_k_" in name else kv.v_seq_axis
+
+    def _run(self, sig: Signature, kv: _HostKV, tokens: Sequence[int], pos: int) -> None:
+        key, n = sig.key, sig.length
+        ins, outs = self._in[key], self._out[key]
+        if self._owner.get(key) != id(kv) or kv.loaded.get(key) != kv.version:
+            for name, arr in kv.arrays.items():
+                self._view(key, ins[name])[...] = arr
+        padded = np.zeros((1, n), dtype=np.int32)
+        padded[0, : len(tokens)] = tokens
+        self._view(key, ins["tokens"])[...] = padded
+        self._view(key, ins["input_pos"])[...] = np.arange(pos, pos + n, dtype=np.int32)
+        if sig.has_mask:
+            self._view(key, ins["mask"])[...] = _mask(
+                n, pos, self.layout.context_length, sig.mask_shape
+            )
+        try:
+            self._w.Invoke(self._sub[key])
+        except (RuntimeError, ValueError) as exc:
+            raise RuntimeFailure(f"{key} failed: {exc}") from exc
+        rows = slice(pos, pos + len(tokens))
+        for name, arr in kv.arrays.items():
+            axis = self._rows(name)
+            index: list[Any] = [slice(None)] * arr.ndim
+            index[axis] = rows
+            new = self._view(key, outs[name])[tuple(index)]
+            arr[tuple(index)] = new
+            self._view(key, ins[name])[tuple(index)] = new
+        kv.version += 1
+        kv.loaded[key] = kv.version
+        self._owner[key] = id(kv)
+
+    def prefill(self, kv: _HostKV, tokens: Sequence[int], start: int) -> None:
+        for call in plan_prefill(self.layout, len(tokens), start):
+            chunk = tokens[call.offset : call.offset + call.count]
+            self._run(call.signature, kv, chunk, start + call.offset)
+
+    def decode(self, kv: _HostKV, token: int, pos: int) -> Logits:
+        self._run(self.layout.decode, kv, [token], pos)
+        logits: Logits = self._view("decode", self._out["decode"]["logits"]).reshape(-1).copy()
+        return logits
+
+    def close(self) -> None:
+        self._owner.clear()
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A runner plus what was decided while loading it."""
+
+    runner: Runner
+    model_file: ModelFile
+    memory: MemoryPlan
+    accelerator: str
+    path_kind: str  # "compiled" | "interpreter"
+    fallbacks: tuple[str, ...]  # one line per accelerator that was skipped, with the reason
+
+
+def plan_memory(
+    model: ModelFile, layout: ModelLayout, profile: DeviceProfile, sessions: int = 1
+) -> MemoryPlan:
+    """Count weights, packed weights, activations and KV against the profile's budget."""
+    xnnpack = "xnnpack" in profile.runtime.accelerators
+    return MemoryPlan(
+        weights=model.size,
+        packed_weights=model.weight_bytes if xnnpack else 0,
+        activations=sum(s.activation_bytes for s in model.signatures),
+        kv_per_session=layout.kv.bytes_per_session,
+        sessions=sessions,
+        budget=profile.runtime.max_num_bytes,
+    )
+
+
+def check_budget(plan: MemoryPlan, profile: DeviceProfile, path: Path) -> None:
+    """Refuse a plan that does not fit the profile's `max_num_bytes`, with the numbers."""
+    if plan.total > plan.budget:
+        raise BudgetError(
+            f"{path.name} needs {plan.describe()}, but profile {profile.name} "
+            f"({profile.source}) allows runtime.max_num_bytes = {plan.budget} "
+            f"({plan.budget / MIB:.1f} MiB)"
+        )
+
+
+def load(
+    path: Path,
+    profile: DeviceProfile,
+    *,
+    context_length: int | None = None,
+    prefer_interpreter: bool = False,
+) -> LoadedModel:
+    """Load `path` under `profile`: check format and budget, then walk the accelerator chain."""
+    model = read_model_file(path)
+    layout = discover_layout(model, context_length)
+    source = str(profile.source)
+    if profile.runtime.require_fused and not model.fused:
+        raise ModelFormatError(
+            f"{path.name}: profile {profile.name} ({source}) sets runtime.require_fused = true, "
+            "but the model has no fused STABLEHLO_COMPOSITE ops; export it with composites on "
+            "(enable_hlfb) or set require_fused = false"
+        )
+    plan = plan_memory(model, layout, profile)
+    check_budget(plan, profile, path)
+    threads = profile.runtime.num_threads
+    fallbacks: list[str] = []
+    chain = list(profile.runtime.accelerators)
+    for i, acc in enumerate(chain):
+        nxt = chain[i + 1] if i + 1 < len(chain) else "nothing"
+        try:
+            runner, kind = _open(path, layout, profile, acc, threads, prefer_interpreter)
+        except (OSError, RuntimeError, ValueError, AcceleratorError) as exc:
+            text = str(exc).strip()
+            reason = f"{acc}: {text.splitlines()[0] if text else type(exc).__name__}"
+            log.warning("accelerator %s unavailable (%s); falling back to %s", acc, reason, nxt)
+            fallbacks.append(reason)
+            continue
+        log.info(
+            "model loaded: %s on %s via %s, %s",
+            path.name,
+            runner.accelerator,
+            kind,
+            plan.describe(),
+        )
+        return LoadedModel(runner, model, plan, runner.accelerator, kind, tuple(fallbacks))
+    raise AcceleratorError(
+        f"no accelerator of profile {profile.name} could run {path.name}: " + "; ".join(fallbacks)
+    )
+
+
+def _open(
+    path: Path,
+    layout: ModelLayout,
+    profile: DeviceProfile,
+    acc: str,
+    threads: int,
+    prefer_interpreter: bool,
+) -> tuple[Runner, str]:
+    npu = profile.npu
+    if acc == "npu":
+        if npu is None:
+            raise AcceleratorError("no [npu] section in the profile")
+        if not os.path.exists(npu.library):
+            raise AcceleratorError(f"{npu.library} does not exist")
+        if npu.kind == "external_delegate":
+            opts = npu.options_as_strings()
+            return _InterpreterRunner(
+                path, layout, "npu", threads, (npu.library, opts)
+            ), "interpreter"
+        return _CompiledRunner(path, layout, "npu", threads, None, npu.library), "compiled"
+    cache_dir = profile.runtime.xnnpack_weight_cache_dir if acc == "xnnpack" else None
+    cache = None
+    if cache_dir is not None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        cache = str(cache_dir)
+    if prefer_interpreter:
+        return _InterpreterRunner(path, layout, acc, threads, None), "interpreter"
+    return _CompiledRunner(path, layout, acc, threads, cache, None), "compiled"

@@ -1,0 +1,226 @@
+"""Read a `.tflite` file's structure without running it: signatures, tensors, ops, weights.
+
+Pure flatbuffer reading through LiteRT's own schema module (lazy, over an mmap), so that
+inspecting a model never allocates its weights. Used by ``edge-agent model inspect``, by the
+runtime's memory accounting and by the fused-graph check.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from ai_edge_litert import schema_py_generated as schema
+
+from agent.errors import ModelFormatError
+
+_TYPE_NAMES = {v: k.lower() for k, v in vars(schema.TensorType).items() if isinstance(v, int)}
+_OP_NAMES = {v: k for k, v in vars(schema.BuiltinOperator).items() if isinstance(v, int)}
+_DTYPE_BITS = {
+    "float32": 32,
+    "float16": 16,
+    "int32": 32,
+    "uint8": 8,
+    "int64": 64,
+    "bool": 8,
+    "int16": 16,
+    "int8": 8,
+    "float64": 64,
+    "int4": 4,
+    "bfloat16": 16,
+    "uint4": 4,
+    "uint32": 32,
+    "uint16": 16,
+    "int2": 2,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= max(d, 1)
+        return (n * _DTYPE_BITS.get(self.dtype, 32) + 7) // 8
+
+
+@dataclass(frozen=True, slots=True)
+class SignatureIO:
+    key: str
+    subgraph_index: int
+    inputs: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...]
+    activation_bytes: int  # non-constant tensors of the subgraph that are not inputs/outputs
+
+    def input(self, name: str) -> TensorInfo | None:
+        return next((t for t in self.inputs if t.name == name), None)
+
+    def output(self, name: str) -> TensorInfo | None:
+        return next((t for t in self.outputs if t.name == name), None)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFile:
+    path: Path
+    size: int
+    signatures: tuple[SignatureIO, ...]
+    op_counts: tuple[tuple[str, int], ...]  # over the signature subgraphs
+    composites: tuple[tuple[str, int], ...]  # STABLEHLO_COMPOSITE names and counts
+    weights: tuple[tuple[str, str, int, int], ...]  # (op, weight kind, tensors, bytes)
+    weight_bytes: int
+
+    @property
+    def fused(self) -> bool:
+        return bool(self.composites)
+
+    def signature(self, key: str) -> SignatureIO | None:
+        return next((s for s in self.signatures if s.key == key), None)
+
+
+def _name(raw: bytes | None) -> str:
+    return raw.decode("utf-8", "replace") if raw else ""
+
+
+def _opcode(model: schema.Model, index: int) -> str:
+    code = model.OperatorCodes(index)
+    builtin = max(code.BuiltinCode(), code.DeprecatedBuiltinCode())
+    if builtin == schema.BuiltinOperator.CUSTOM:
+        return "CUSTOM:" + _name(code.CustomCode())
+    return _OP_NAMES.get(builtin, f"OP{builtin}")
+
+
+def _weight_kind(tensor: schema.Tensor) -> str:
+    dtype = _TYPE_NAMES.get(tensor.Type(), "?")
+    q = tensor.Quantization()
+    if q is None or dtype.startswith("float"):
+        return dtype
+    if q.DetailsType() == schema.QuantizationDetails.BlockwiseQuantization:
+        table = q.Details()
+        block = schema.BlockwiseQuantization()
+        block.Init(table.Bytes, table.Pos)
+        return f"{dtype} block{block.BlockSize()}"
+    scales = q.ScaleLength()
+    if scales <= 1:
+        return f"{dtype} per-tensor"
+    rank = tensor.ShapeLength()
+    shape = [tensor.Shape(i) for i in range(rank)]
+    qdim = q.QuantizedDimension()
+    # Blockwise as written by ai-edge-quantizer: several scales per channel along the other axis.
+    if rank == 2 and scales > shape[qdim]:
+        return f"{dtype} block{shape[1 - qdim] * shape[qdim] // scales}"
+    return f"{dtype} per-channel"
+
+
+def read_model_file(path: Path) -> ModelFile:
+    """Parse a `.tflite` file's structure (signatures, ops, weight types)."""
+    try:
+        with open(path, "rb") as f:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as exc:
+        raise ModelFormatError(f"{path}: cannot read: {exc}") from exc
+    try:
+        if len(data) < 8 or data[4:8] != b"TFL3":
+            raise ModelFormatError(f"{path}: not a TFLite flatbuffer (no TFL3 identifier)")
+        return _parse(path, data)
+    except ModelFormatError:
+        raise
+    except Exception as exc:  # a corrupt flatbuffer can fail anywhere in the generated code
+        raise ModelFormatError(f"{path}: corrupt TFLite flatbuffer: {exc}") from exc
+    finally:
+        data.close()
+
+
+def _parse(path: Path, data: mmap.mmap) -> ModelFile:
+    model = schema.Model.GetRootAs(data, 0)
+    buffers = [model.Buffers(i) for i in range(model.BuffersLength())]
+
+    def is_constant(t: schema.Tensor) -> bool:
+        b = t.Buffer()
+        if b <= 0 or b >= len(buffers):
+            return False
+        return buffers[b].DataLength() > 0 or buffers[b].Size() > 0
+
+    def tensor_info(sg: schema.SubGraph, index: int) -> TensorInfo:
+        t = sg.Tensors(index)
+        shape = tuple(int(t.Shape(i)) for i in range(t.ShapeLength()))
+        return TensorInfo(_name(t.Name()), shape, _TYPE_NAMES.get(t.Type(), "?"))
+
+    signatures = []
+    signature_subgraphs: set[int] = set()
+    for s in range(model.SignatureDefsLength()):
+        sd = model.SignatureDefs(s)
+        sg_index = sd.SubgraphIndex()
+        sg = model.Subgraphs(sg_index)
+        signature_subgraphs.add(sg_index)
+
+        def io(maps: list[schema.TensorMap], sg: schema.SubGraph = sg) -> tuple[TensorInfo, ...]:
+            return tuple(
+                TensorInfo(
+                    _name(m.Name()),
+                    tensor_info(sg, m.TensorIndex()).shape,
+                    tensor_info(sg, m.TensorIndex()).dtype,
+                )
+                for m in maps
+            )
+
+        inputs = io([sd.Inputs(i) for i in range(sd.InputsLength())])
+        outputs = io([sd.Outputs(i) for i in range(sd.OutputsLength())])
+        boundary = {sg.Inputs(i) for i in range(sg.InputsLength())} | {
+            sg.Outputs(i) for i in range(sg.OutputsLength())
+        }
+        activations = sum(
+            tensor_info(sg, i).nbytes
+            for i in range(sg.TensorsLength())
+            if i not in boundary and not is_constant(sg.Tensors(i))
+        )
+        signatures.append(
+            SignatureIO(_name(sd.SignatureKey()), sg_index, inputs, outputs, activations)
+        )
+
+    ops: Counter[str] = Counter()
+    composites: Counter[str] = Counter()
+    weights: Counter[tuple[str, str]] = Counter()
+    weight_bytes: Counter[tuple[str, str]] = Counter()
+    seen_weights: set[int] = set()
+    for sg_index in sorted(signature_subgraphs):
+        sg = model.Subgraphs(sg_index)
+        for o in range(sg.OperatorsLength()):
+            op = sg.Operators(o)
+            name = _opcode(model, op.OpcodeIndex())
+            ops[name] += 1
+            if name == "STABLEHLO_COMPOSITE" and op.BuiltinOptions2Type() == (
+                schema.BuiltinOptions2.StableHLOCompositeOptions
+            ):
+                table = op.BuiltinOptions2()
+                opts = schema.StableHLOCompositeOptions()
+                opts.Init(table.Bytes, table.Pos)
+                composites[_name(opts.Name())] += 1
+            for k in range(op.InputsLength()):
+                ti = op.Inputs(k)
+                if ti < 0:
+                    continue
+                t = sg.Tensors(ti)
+                if t.ShapeLength() < 2 or not is_constant(t) or t.Buffer() in seen_weights:
+                    continue
+                seen_weights.add(t.Buffer())
+                key = (name, _weight_kind(t))
+                weights[key] += 1
+                weight_bytes[key] += tensor_info(sg, ti).nbytes
+    return ModelFile(
+        path=path,
+        size=path.stat().st_size,
+        signatures=tuple(signatures),
+        op_counts=tuple(sorted(ops.items())),
+        composites=tuple(sorted(composites.items())),
+        weights=tuple(
+            (op, kind, n, weight_bytes[(op, kind)]) for (op, kind), n in sorted(weights.items())
+        ),
+        weight_bytes=sum(weight_bytes.values()),
+    )

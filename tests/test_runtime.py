@@ -1,0 +1,254 @@
+"""The LiteRT runtime on real tiny models: layouts, in-place KV, prefill plans, fallbacks."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agent.errors import AcceleratorError, BudgetError, ModelFormatError
+from agent.runtime import litert
+from agent.runtime.layout import discover_layout
+from agent.runtime.modelfile import read_model_file
+
+LAYOUTS = [
+    # (layout, prefill lengths, mask as input)
+    ("transposed", (8,), False),
+    ("transposed", (8, 16), False),
+    ("default", (8,), False),
+    ("default", (8, 16), True),
+    ("transposed", (8,), True),
+]
+
+
+@pytest.mark.parametrize(("kv_layout", "prefill", "mask"), LAYOUTS)
+def test_discovers_layout(tiny_model_factory, kv_layout, prefill, mask) -> None:
+    path = tiny_model_factory(layout=kv_layout, prefill_lens=prefill, kv_max=64, mask_as_input=mask)
+    layout = discover_layout(read_model_file(path))
+    assert layout.kv.name == kv_layout
+    assert [s.length for s in layout.prefill] == list(prefill)
+    assert layout.decode.has_mask is mask
+    assert layout.context_length == 64
+    assert layout.vocab_size == 256
+    assert layout.kv.num_layers == 2
+    if kv_layout == "transposed":
+        assert layout.kv.k_shape == (1, 1, 64, 32) and layout.kv.v_shape == (1, 1, 32, 64)
+    else:
+        assert layout.kv.k_shape == layout.kv.v_shape == (1, 64, 1, 32)
+    assert layout.kv.bytes_per_session == 2 * 2 * 64 * 32 * 4
+
+
+def _decode_all(runner, tokens):
+    kv = runner.new_kv()
+    out = []
+    for pos, t in enumerate(tokens):
+        out.append(runner.decode(kv, t, pos))
+    return np.stack(out)
+
+
+def _prefill_then_decode(runner, tokens):
+    kv = runner.new_kv()
+    runner.prefill(kv, tokens[:-1], 0)
+    return runner.decode(kv, tokens[-1], len(tokens) - 1)
+
+
+PROMPT = [1, 17, 33, 5, 200, 9, 41, 42, 43, 7, 99, 120, 3, 18, 64, 65, 66, 12, 250, 8]
+
+
+@pytest.mark.parametrize(("kv_layout", "prefill", "mask"), LAYOUTS)
+@pytest.mark.parametrize("interpreter", [False, True], ids=["compiled", "interpreter"])
+def test_prefill_matches_token_by_token_decode(
+    tiny_model_factory, dev_profile, kv_layout, prefill, mask, interpreter
+) -> None:
+    path = tiny_model_factory(layout=kv_layout, prefill_lens=prefill, kv_max=64, mask_as_input=mask)
+    loaded = litert.load(path, dev_profile, prefer_interpreter=interpreter)
+    assert loaded.path_kind == ("interpreter" if interpreter else "compiled")
+    reference = _decode_all(loaded.runner, PROMPT)
+    # 19 prompt tokens go through padded prefill calls, the last through decode
+    last = _prefill_then_decode(loaded.runner, PROMPT)
+    np.testing.assert_allclose(last, reference[-1], rtol=1e-4, atol=1e-4)
+    # different positions give different logits: the cache really carries the context
+    assert np.abs(reference[-1] - reference[-2]).max() > 1e-3
+
+
+def test_compiled_and_interpreter_agree(tiny_model_factory, dev_profile) -> None:
+    path = tiny_model_factory(layout="transposed", prefill_lens=(8,), kv_max=64)
+    a = _decode_all(litert.load(path, dev_profile).runner, PROMPT)
+    b = _decode_all(litert.load(path, dev_profile, prefer_interpreter=True).runner, PROMPT)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_sessions_do_not_share_kv(tiny_model_factory, dev_profile) -> None:
+    path = tiny_model_factory(layout="transposed", prefill_lens=(8,), kv_max=64)
+    for interpreter in (False, True):
+        runner = litert.load(path, dev_profile, prefer_interpreter=interpreter).runner
+        a, b = runner.new_kv(), runner.new_kv()
+        runner.prefill(a, PROMPT[:10], 0)
+        runner.prefill(b, PROMPT[10:19], 0)  # interleaved with a, different content
+        got = runner.decode(a, PROMPT[10], 10)
+        want = _decode_all(runner, PROMPT[:11])[-1]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_plan_prefill_never_runs_past_the_cache(tiny_model_factory) -> None:
+    path = tiny_model_factory(layout="transposed", prefill_lens=(8, 16), kv_max=64)
+    layout = discover_layout(read_model_file(path))
+    for start in range(0, 64):
+        for n in range(1, 64 - start + 1):
+            calls = litert.plan_prefill(layout, n, start)
+            assert sum(c.count for c in calls) == n
+            assert [c.offset for c in calls] == list(
+                np.cumsum([0] + [c.count for c in calls[:-1]])
+            )
+            for c in calls:
+                assert start + c.offset + c.signature.length <= 64
+    # the smallest signature that holds the rest is used
+    assert [c.signature.length for c in litert.plan_prefill(layout, 5, 0)] == [8]
+    assert [c.signature.length for c in litert.plan_prefill(layout, 20, 0)] == [16, 8]
+    # near the end only decode fits
+    assert [c.signature.key for c in litert.plan_prefill(layout, 3, 61)] == ["decode"] * 3
+
+
+def test_memory_budget_refusal_names_the_numbers(tiny_model_factory, make_profile) -> None:
+    path = tiny_model_factory(layout="transposed", prefill_lens=(8,), kv_max=64)
+    profile = make_profile(runtime={"max_num_bytes": 16 * 1024 * 1024})
+    # the tiny model fits in 16 MiB; a budget below its size must be refused before loading
+    plan = litert.plan_memory(read_model_file(path), discover_layout(read_model_file(path)), profile)
+    assert plan.total < 16 * 1024 * 1024
+    assert plan.weights == path.stat().st_size
+    assert plan.kv_per_session == 2 * 2 * 64 * 32 * 4
+    litert.check_budget(plan, profile, path)  # fits: no error
+    many = dataclasses.replace(plan, sessions=1000)  # 1000 sessions of 32 KiB KV do not fit
+    with pytest.raises(BudgetError) as err:
+        litert.check_budget(many, profile, path)
+    msg = str(err.value)
+    assert "max_num_bytes = 16777216" in msg and "x 1000 session(s)" in msg
+    assert f"weights {plan.weights / 2**20:.1f}" in msg
+    assert profile.name in msg and str(profile.source) in msg
+
+
+def test_require_fused_refuses_unfused_model(tiny_model_factory, make_profile) -> None:
+    fused = tiny_model_factory(layout="transposed", prefill_lens=(8,), kv_max=64)
+    assert read_model_file(fused).fused
+    unfused = tiny_model_factory(
+        layout="transposed", prefill_lens=(8,), kv_max=64, enable_hlfb=False
+    )
+    assert not read_model_file(unfused).fused
+    profile = make_profile(runtime={"require_fused": True})
+    litert.load(fused, profile)
+    with pytest.raises(ModelFormatError, match="require_fused"):
+        litert.load(unfused, profile)
+
+
+def test_not_an_llm_gets_a_clear_error(tmp_path: Path, dev_profile) -> None:
+    junk = tmp_path / "junk.tflite"
+    junk.write_bytes(b"\x00" * 64)
+    with pytest.raises(ModelFormatError, match="not a TFLite flatbuffer"):
+        litert.load(junk, dev_profile)
+
+
+# ----------------------------------------------------------------------------- accelerators
+
+
+def test_missing_npu_library_falls_back_with_reason(tiny_model_factory, make_profile) -> None:
+    path = tiny_model_factory(layout="transposed", prefill_lens=(8,), kv_max=64)
+    profile = make_profile(
+        runtime={"accelerators": ["npu", "xnnpack", "cpu"]},
+        npu={"kind": "external_delegate", "library": "/nonexistent/libvx_delegate.so"},
+    )
+    loaded = litert.load(path, profile)
+    assert loaded.accelerator == "xnnpack"
+    assert len(loaded.fallbacks) == 1
+    assert "npu" in loaded.fallbacks[0] and "libvx_delegate.so" in loaded.fallbacks[0]
+
+
+NOOP_DELEGATE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <stdio.h>
+/* TfLiteDelegate, declared by hand (FACTS.md): data, Prepare, 3 buffer-handle callbacks,
+   flags, opaque builder. Prepare claims no nodes, so the graph stays on the CPU kernels. */
+typedef struct TfLiteDelegate {
+  void* data_;
+  int (*Prepare)(void* context, struct TfLiteDelegate* delegate);
+  void* CopyFromBufferHandle;
+  void* CopyToBufferHandle;
+  void* FreeBufferHandle;
+  int64_t flags;
+  void* opaque_delegate_builder;
+} TfLiteDelegate;
+static int prepare(void* context, TfLiteDelegate* d) { (void)context; (void)d; return 0; }
+TfLiteDelegate* tflite_plugin_create_delegate(char** keys, char** values, size_t n,
+                                              void (*report_error)(const char*)) {
+  (void)report_error;
+  const char* marker = getenv("NOOP_DELEGATE_MARKER");
+  if (marker) {
+    FILE* f = fopen(marker, "w");
+    for (size_t i = 0; f && i < n; i++) fprintf(f, "%s=%s\n", keys[i], values[i]);
+    if (f) fclose(f);
+  }
+  TfLiteDelegate* d = calloc(1, sizeof(TfLiteDelegate));
+  d->Prepare = prepare;
+  return d;
+}
+void tflite_plugin_destroy_delegate(TfLiteDelegate* d) { free(d); }
+"""
+
+
+@pytest.fixture(scope="session")
+def noop_delegate(tmp_path_factory) -> Path:
+    """A real TFLite external delegate (.so) that claims no nodes, built with gcc."""
+    d = tmp_path_factory.mktemp("delegate")
+    src = d / "noop_delegate.c"
+    src.write_text(NOOP_DELEGATE)
+    lib = d / "libnoop_delegate.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(lib), str(src)], check=True)
+    return lib
+
+
+def test_external_npu_delegate_is_loaded_with_its_options(
+    tiny_model_factory, make_profile, noop_delegate, tmp_path, monkeypatch
+) -> None:
+    path = tiny_model_factory(layout="transposed", prefill_lens=(8,), kv_max=64)
+    marker = tmp_path / "delegate-options.txt"
+    monkeypatch.setenv("NOOP_DELEGATE_MARKER", str(marker))
+    profile = make_profile(
+        runtime={"accelerators": ["npu", "xnnpack", "cpu"]},
+        npu={
+            "kind": "external_delegate",
+            "library": str(noop_delegate),
+            "options": {"device": "pci", "cache_dir": "/tmp/x"},
+        },
+    )
+    loaded = litert.load(path, profile)
+    assert loaded.accelerator == "npu" and loaded.path_kind == "interpreter"
+    assert loaded.fallbacks == ()
+    assert set(marker.read_text().split()) == {"device=pci", "cache_dir=/tmp/x"}
+    # the graph runs (on the CPU kernels behind the no-op delegate) and matches xnnpack
+    want = _decode_all(litert.load(path, make_profile()).runner, PROMPT[:6])
+    got = _decode_all(loaded.runner, PROMPT[:6])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_plain_cpu_kernels_match_xnnpack(tiny_model_factory, make_profile) -> None:
+    path = tiny_model_factory(layout="transposed", prefill_lens=(8,), kv_max=64)
+    cpu = litert.load(path, make_profile(runtime={"accelerators": ["cpu"]}))
+    assert cpu.accelerator == "cpu"
+    want = _decode_all(litert.load(path, make_profile()).runner, PROMPT[:6])
+    np.testing.assert_allclose(_decode_all(cpu.runner, PROMPT[:6]), want, rtol=1e-3, atol=1e-3)
+
+
+def test_no_working_accelerator_is_an_error(tiny_model_factory, make_profile) -> None:
+    path = tiny_model_factory(layout="transposed", prefill_lens=(8,), kv_max=64)
+    profile = make_profile(
+        runtime={"accelerators": ["npu", "cpu"]},
+        npu={"kind": "dispatch", "library": "/nonexistent/dispatch"},
+    )
+    # cpu still works: the chain ends there
+    assert litert.load(path, profile).accelerator == "cpu"
+    with pytest.raises(AcceleratorError):
+        litert._open(path, discover_layout(read_model_file(path)), profile, "npu", 2, False)
