@@ -54,14 +54,16 @@ def _native_logs_quiet(verbose: bool) -> Iterator[None]:
 
 
 def _profile_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", help="profile name or path to a .toml (default: detect)")
+    p.add_argument(
+        "--profile", dest="sub_profile", help="profile name or path to a .toml (default: detect)"
+    )
 
 
 def _resolve(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from agent.profile import resolve_profile
 
     root = Path(getattr(args, "root", None) or "/")
-    return resolve_profile(args.profile, root)
+    return resolve_profile(getattr(args, "sub_profile", None) or args.profile, root)
 
 
 # ----------------------------------------------------------------------------- profile
@@ -82,7 +84,7 @@ def cmd_profile_list(args: argparse.Namespace) -> int:
 def cmd_profile_show(args: argparse.Namespace) -> int:
     from agent.profile import describe, resolve_profile
 
-    profile, reasons = resolve_profile(args.name, Path("/"))
+    profile, _ = resolve_profile(args.name or args.profile, Path("/"))
     print(describe(profile))
     return 0
 
@@ -200,6 +202,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edge-agent", description=__doc__)
     parser.add_argument("--version", action="version", version=f"edge-agent {__version__}")
+    parser.add_argument(
+        "--profile", help="profile name or path to a .toml for every command (default: detect)"
+    )
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="log at INFO, show LiteRT logs"
     )

@@ -132,7 +132,8 @@ def load_model_dir(directory: Path) -> ModelMeta:
         quant = _field(v, "quantization", str, where)
         if quant not in QUANTIZATIONS:
             raise ModelFormatError(
-                f"{where}: variants[{i}].quantization = {quant!r}; allowed: {', '.join(QUANTIZATIONS)}"
+                f"{where}: variants[{i}].quantization = {quant!r}; "
+                f"allowed: {', '.join(QUANTIZATIONS)}"
             )
         variants.append(
             Variant(

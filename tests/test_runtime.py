@@ -100,9 +100,7 @@ def test_plan_prefill_never_runs_past_the_cache(tiny_model_factory) -> None:
         for n in range(1, 64 - start + 1):
             calls = litert.plan_prefill(layout, n, start)
             assert sum(c.count for c in calls) == n
-            assert [c.offset for c in calls] == list(
-                np.cumsum([0] + [c.count for c in calls[:-1]])
-            )
+            assert [c.offset for c in calls] == list(np.cumsum([0] + [c.count for c in calls[:-1]]))
             for c in calls:
                 assert start + c.offset + c.signature.length <= 64
     # the smallest signature that holds the rest is used
@@ -116,7 +114,9 @@ def test_memory_budget_refusal_names_the_numbers(tiny_model_factory, make_profil
     path = tiny_model_factory(layout="transposed", prefill_lens=(8,), kv_max=64)
     profile = make_profile(runtime={"max_num_bytes": 16 * 1024 * 1024})
     # the tiny model fits in 16 MiB; a budget below its size must be refused before loading
-    plan = litert.plan_memory(read_model_file(path), discover_layout(read_model_file(path)), profile)
+    plan = litert.plan_memory(
+        read_model_file(path), discover_layout(read_model_file(path)), profile
+    )
     assert plan.total < 16 * 1024 * 1024
     assert plan.weights == path.stat().st_size
     assert plan.kv_per_session == 2 * 2 * 64 * 32 * 4

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from agent.engine.sampler import Sampler, SamplingParams
 from agent.errors import InvalidRequest
 
-logit_arrays = st.lists(
-    st.floats(-20, 20, allow_nan=False, width=32), min_size=2, max_size=64
-).map(lambda xs: np.array(xs, dtype=np.float32))
+logit_arrays = st.lists(st.floats(-20, 20, allow_nan=False, width=32), min_size=2, max_size=64).map(
+    lambda xs: np.array(xs, dtype=np.float32)
+)
 
 
 @given(logit_arrays)

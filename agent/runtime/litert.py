@@ -21,7 +21,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 Logits = npt.NDArray[np.float32]
 _NEG = np.float32(-np.inf)
 MIB = 1 << 20
+_K = TypeVar("_K")
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +131,13 @@ def _mask(rows: int, first_pos: int, ctx: int, shape: tuple[int, ...]) -> npt.ND
     limit = first_pos + np.arange(rows, dtype=np.int64)[:, None]
     m = np.where(cols <= limit, np.float32(0), _NEG).astype(np.float32)
     return m.reshape(shape)
+
+
+def _own(kv: KVCache, kind: type[_K]) -> _K:
+    """A KV handle is only valid with the runner that made it."""
+    if not isinstance(kv, kind):
+        raise TypeError(f"KV cache {type(kv).__name__} does not belong to this runner")
+    return kv
 
 
 # ----------------------------------------------------------------------------- CompiledModel
@@ -228,14 +236,16 @@ class _CompiledRunner:
         except RuntimeError as exc:
             raise RuntimeFailure(f"{sig.key} failed: {exc}") from exc
 
-    def prefill(self, kv: _BoundKV, tokens: Sequence[int], start: int) -> None:
+    def prefill(self, kv: KVCache, tokens: Sequence[int], start: int) -> None:
+        kv = _own(kv, _BoundKV)
         for call in plan_prefill(self.layout, len(tokens), start):
             chunk = tokens[call.offset : call.offset + call.count]
             self._run(call.signature, kv, chunk, start + call.offset)
 
-    def decode(self, kv: _BoundKV, token: int, pos: int) -> Logits:
-        self._run(self.layout.decode, kv, [token], pos)
+    def decode(self, kv: KVCache, token: int, pos: int) -> Logits:
+        self._run(self.layout.decode, _own(kv, _BoundKV), [token], pos)
         io = self._io["decode"]
+        assert io.logits is not None  # discover_layout checked that decode outputs logits
         out: Logits = io.logits.read(io.logits_size, np.float32)
         return out
 
@@ -344,13 +354,14 @@ class _InterpreterRunner:
         kv.loaded[key] = kv.version
         self._owner[key] = id(kv)
 
-    def prefill(self, kv: _HostKV, tokens: Sequence[int], start: int) -> None:
+    def prefill(self, kv: KVCache, tokens: Sequence[int], start: int) -> None:
+        kv = _own(kv, _HostKV)
         for call in plan_prefill(self.layout, len(tokens), start):
             chunk = tokens[call.offset : call.offset + call.count]
             self._run(call.signature, kv, chunk, start + call.offset)
 
-    def decode(self, kv: _HostKV, token: int, pos: int) -> Logits:
-        self._run(self.layout.decode, kv, [token], pos)
+    def decode(self, kv: KVCache, token: int, pos: int) -> Logits:
+        self._run(self.layout.decode, _own(kv, _HostKV), [token], pos)
         logits: Logits = self._view("decode", self._out["decode"]["logits"]).reshape(-1).copy()
         return logits
 

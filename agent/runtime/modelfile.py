@@ -16,8 +16,12 @@ from ai_edge_litert import schema_py_generated as schema
 
 from agent.errors import ModelFormatError
 
-_TYPE_NAMES = {v: k.lower() for k, v in vars(schema.TensorType).items() if isinstance(v, int)}
-_OP_NAMES = {v: k for k, v in vars(schema.BuiltinOperator).items() if isinstance(v, int)}
+_TYPE_NAMES: dict[int, str] = {
+    v: k.lower() for k, v in vars(schema.TensorType).items() if isinstance(v, int)
+}
+_OP_NAMES: dict[int, str] = {
+    v: k for k, v in vars(schema.BuiltinOperator).items() if isinstance(v, int)
+}
 _DTYPE_BITS = {
     "float32": 32,
     "float16": 16,
@@ -35,6 +39,10 @@ _DTYPE_BITS = {
     "uint16": 16,
     "int2": 2,
 }
+
+
+# Constant tensors of these types are indices, shapes or masks, not weights.
+_NOT_WEIGHTS = frozenset({"int32", "int64", "bool"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +153,7 @@ def _parse(path: Path, data: mmap.mmap) -> ModelFile:
         b = t.Buffer()
         if b <= 0 or b >= len(buffers):
             return False
-        return buffers[b].DataLength() > 0 or buffers[b].Size() > 0
+        return bool(buffers[b].DataLength() > 0 or buffers[b].Size() > 0)
 
     def tensor_info(sg: schema.SubGraph, index: int) -> TensorInfo:
         t = sg.Tensors(index)
@@ -208,6 +216,8 @@ def _parse(path: Path, data: mmap.mmap) -> ModelFile:
                     continue
                 t = sg.Tensors(ti)
                 if t.ShapeLength() < 2 or not is_constant(t) or t.Buffer() in seen_weights:
+                    continue
+                if _TYPE_NAMES.get(t.Type()) in _NOT_WEIGHTS:
                     continue
                 seen_weights.add(t.Buffer())
                 key = (name, _weight_kind(t))
