@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from agent import __version__
@@ -20,37 +19,18 @@ log = logging.getLogger("agent.cli")
 EXIT_USAGE = 2
 
 
-@contextlib.contextmanager
-def _native_logs_quiet(verbose: bool) -> Iterator[None]:
-    """LiteRT's C++ code logs to fd 2; keep it off the terminal unless -v.
+def _silence_native_stderr() -> None:
+    """LiteRT's C++ code logs to fd 2 (also from destructors at exit); keep it off the terminal.
 
-    Python logging keeps writing to the real stderr through a duplicated descriptor.
+    fd 2 goes to /dev/null for the rest of the process; Python's `sys.stderr` (our messages and
+    logging) keeps writing to the real stderr through a duplicated descriptor.
     """
-    if verbose:
-        yield
-        return
     sys.stderr.flush()
-    saved = os.dup(2)
+    real = os.dup(2)
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)
     os.close(devnull)
-    stream = os.fdopen(os.dup(saved), "w", buffering=1)
-    old_stderr = sys.stderr
-    sys.stderr = stream
-    for h in logging.getLogger().handlers:
-        if isinstance(h, logging.StreamHandler):
-            h.setStream(stream)
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        sys.stderr = old_stderr
-        for h in logging.getLogger().handlers:
-            if isinstance(h, logging.StreamHandler):
-                h.setStream(old_stderr)
-        stream.close()
+    sys.stderr = os.fdopen(real, "w", buffering=1, encoding="utf-8", errors="replace")
 
 
 def _profile_arg(p: argparse.ArgumentParser) -> None:
@@ -136,8 +116,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from agent.engine.sampler import SamplingParams
     from agent.engine.types import GenerateRequest
 
-    with _native_logs_quiet(args.verbose):
-        engine = _open_engine(args)
+    engine = _open_engine(args)
     gen = engine.profile.generation
     sampling = SamplingParams(
         temperature=gen.temperature if args.temperature is None else args.temperature,
@@ -248,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not args.verbose:
+        _silence_native_stderr()
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
