@@ -59,3 +59,39 @@ class ContextOverflow(InvalidRequest):
 
 class RuntimeFailure(AgentError):
     """LiteRT failed while running a signature."""
+
+
+class Overloaded(AgentError):
+    """The request queue is full; try again later."""
+
+
+class NotFound(AgentError):
+    """A named thing (a session) does not exist."""
+
+
+class Unavailable(AgentError):
+    """The agent cannot take requests right now (loading, swapping a model, stopping)."""
+
+
+# The one table from error type to gRPC status code name (looked up along the MRO, so a
+# subclass maps like its parent unless listed itself). Anything else is INTERNAL.
+GRPC_STATUS: dict[type[AgentError], str] = {
+    InvalidRequest: "INVALID_ARGUMENT",
+    ContextOverflow: "RESOURCE_EXHAUSTED",
+    Overloaded: "RESOURCE_EXHAUSTED",
+    NotFound: "NOT_FOUND",
+    Unavailable: "UNAVAILABLE",
+    ConfigError: "FAILED_PRECONDITION",
+    ModelFormatError: "FAILED_PRECONDITION",
+    BudgetError: "RESOURCE_EXHAUSTED",
+    AcceleratorError: "UNAVAILABLE",
+    RuntimeFailure: "INTERNAL",
+}
+
+
+def grpc_status_name(exc: BaseException) -> str:
+    """The gRPC status code name for an exception (INTERNAL for anything unexpected)."""
+    for cls in type(exc).__mro__:
+        if cls in GRPC_STATUS:
+            return GRPC_STATUS[cls]
+    return "INTERNAL"

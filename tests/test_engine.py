@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -80,20 +81,30 @@ def test_stop_sequence_cuts_the_text(engine: Engine) -> None:
     assert stop not in cut.text
 
 
-def test_cancel_between_tokens(engine: Engine) -> None:
-    cancel = threading.Event()
-    got = []
-    for event in engine.generate(req(max_tokens=50), cancel):
+def test_cancel_stops_within_one_token(engine: Engine) -> None:
+    got: list = []
+    handles: list = []
+
+    def sink(event) -> None:  # runs on the engine thread, between two steps
         got.append(event)
         if len(got) == 3:
-            cancel.set()
+            handles[0].cancel()
+
+    handles.append(engine.submit(req(max_tokens=50), sink))
+    assert handles[0].done.wait(30)
     assert got[-1].finish_reason == "cancelled"
     assert sum(len(e.token_ids) for e in got) == 3
-    # closing a stream mid-way frees the engine for the next request
+
+
+def test_closing_a_stream_frees_the_engine(engine: Engine) -> None:
     stream = engine.generate(req(max_tokens=50))
     next(stream)
     stream.close()
     assert engine.complete(req(max_tokens=2)).finish_reason == "length"
+    deadline = time.monotonic() + 10
+    while engine.stats().active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.stats().active == 0
 
 
 def test_long_prompt_is_prefilled_in_chunks(engine: Engine) -> None:

@@ -1,22 +1,35 @@
-"""The engine: a loaded model, its tokenizer and the generation loop.
+"""The engine: a loaded model, its tokenizer, and one thread that runs every request.
 
-This issue's engine runs one request at a time on the caller's thread (a lock guards the one
-resident KV cache); requests are `Generation`s stepped one unit at a time, which is what a
-scheduler interleaves.
+Callers `submit` a request with a sink for its events and get a `RequestHandle` back; the
+engine thread admits requests into a bounded number of KV slots, steps them round-robin
+(schedule → run one unit → emit), and never blocks on a caller: a request whose consumer has
+fallen behind is simply skipped until it catches up. `generate` / `complete` are the
+synchronous conveniences on top.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import queue
 import threading
-from collections.abc import Iterator
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from agent.engine.generation import Generation
 from agent.engine.sampler import Sampler, SamplingParams
-from agent.engine.types import Completion, GenerateRequest, TokenEvent
-from agent.errors import ContextOverflow, InvalidRequest, ModelFormatError
+from agent.engine.scheduler import Scheduler
+from agent.engine.types import Completion, GenerateRequest, RequestStats, TokenEvent
+from agent.errors import (
+    AgentError,
+    ContextOverflow,
+    InvalidRequest,
+    ModelFormatError,
+    Unavailable,
+)
 from agent.modeldir import ModelMeta, Variant, load_model_dir, sha256_file
 from agent.profile import DeviceProfile, choose_quantization
 from agent.runtime import litert
@@ -25,6 +38,10 @@ from agent.runtime.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 MAX_PROMPT_CHARS = 1 << 20
+HEARTBEAT_S = 0.5  # the idle engine thread still beats this often
+WINDOW = 512  # requests kept for the p50/p95 figures
+
+Sink = Callable[[TokenEvent], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +63,90 @@ class ModelInfo:
     memory: litert.MemoryPlan
 
 
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    max_active: int = 4  # requests holding a KV slot at once (also bounded by the budget)
+    queue_capacity: int = 16  # requests waiting for a slot
+    max_pending_events: int = 64  # events a slow consumer may leave unread before a pause
+
+
+@dataclass(frozen=True, slots=True)
+class Percentiles:
+    p50: float
+    p95: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    queue_depth: int
+    queue_capacity: int
+    active: int
+    max_active: int
+    requests_total: int
+    requests_failed: int
+    requests_rejected: int
+    requests_cancelled: int
+    tokens_generated: int
+    ttft_ms: Percentiles
+    decode_tok_s: Percentiles
+    heartbeat_age_s: float
+
+
+def _percentiles(values: deque[float]) -> Percentiles:
+    if not values:
+        return Percentiles(0.0, 0.0)
+    s = sorted(values)
+    return Percentiles(s[len(s) // 2], s[min(len(s) - 1, int(len(s) * 0.95))])
+
+
+class RequestHandle:
+    """A submitted request: its id, cancellation and flow control for its consumer."""
+
+    def __init__(self, request_id: str, sink: Sink, max_pending: int) -> None:
+        self.id = request_id
+        self._sink = sink
+        self._max_pending = max_pending
+        self._pending = 0
+        self._lock = threading.Lock()
+        self.cancel_event = threading.Event()
+        self.done = threading.Event()
+        self.submitted_at = time.perf_counter()
+
+    def cancel(self) -> None:
+        """Stop the request at its next step (within one token)."""
+        self.cancel_event.set()
+
+    def consumed(self, n: int = 1) -> None:
+        """The consumer took `n` events off its queue."""
+        with self._lock:
+            self._pending -= n
+
+    def can_emit(self) -> bool:
+        with self._lock:
+            return self._pending < self._max_pending
+
+    def emit(self, event: TokenEvent) -> None:
+        with self._lock:
+            self._pending += 1
+        self._sink(event)
+        if event.finish_reason is not None:
+            self.done.set()
+
+
+@dataclass(slots=True)
+class _Prepared:
+    handle: RequestHandle
+    ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    deadline: float | None
+    generation: Generation | None = None
+    kv: litert.KVCache | None = None
+
+
 class Engine:
-    """Load a model directory under a profile; generate text from prompts."""
+    """Load a model directory under a profile; run requests on one engine thread."""
 
     def __init__(
         self,
@@ -57,8 +156,10 @@ class Engine:
         quantization: str | None = None,
         verify: bool = True,
         prefer_interpreter: bool = False,
+        limits: EngineLimits | None = None,
     ) -> None:
         self.profile = profile
+        self.limits = limits or EngineLimits()
         self.meta: ModelMeta = load_model_dir(model_dir)
         available = [v.quantization for v in self.meta.variants]
         quant = quantization or choose_quantization(profile, available)
@@ -77,12 +178,25 @@ class Engine:
             context_length=self.meta.context_length,
             prefer_interpreter=prefer_interpreter,
         )
-        layout = self.loaded.runner.layout
+        runner = self.loaded.runner
+        layout = runner.layout
         if layout.vocab_size < self.tokenizer.vocab_size:
             raise ModelFormatError(
                 f"{path}: model vocabulary {layout.vocab_size} is smaller than the tokenizer's "
                 f"{self.tokenizer.vocab_size}"
             )
+        plan = self.loaded.memory
+        # KV slots: as many as the limit asks for and the budget holds beyond one session.
+        spare = plan.budget - plan.total
+        max_active = max(1, min(self.limits.max_active, 1 + spare // plan.kv_per_session))
+        self.memory = litert.MemoryPlan(
+            plan.weights,
+            plan.packed_weights,
+            plan.activations,
+            plan.kv_per_session,
+            max_active,
+            plan.budget,
+        )
         self.info = ModelInfo(
             name=self.meta.name,
             version=self.meta.version,
@@ -96,11 +210,24 @@ class Engine:
             accelerator=self.loaded.accelerator,
             execution_path=self.loaded.path_kind,
             fallbacks=self.loaded.fallbacks,
-            memory=self.loaded.memory,
+            memory=self.memory,
         )
-        self._kv = self.loaded.runner.new_kv()
-        self._lock = threading.Lock()
         self._stop_ids = frozenset((self.meta.eos_id, *self.meta.stop_token_ids))
+        self._sched: Scheduler[_Prepared] = Scheduler(max_active, self.limits.queue_capacity)
+        self._free_kv: list[litert.KVCache] = []
+        self._kv_made = 0
+        self._cv = threading.Condition()
+        self._ids = itertools.count(1)
+        self._stopping = False
+        self._closed = False
+        self._beat = time.monotonic()
+        self._totals = {"total": 0, "failed": 0, "rejected": 0, "cancelled": 0, "tokens": 0}
+        self._ttft: deque[float] = deque(maxlen=WINDOW)
+        self._decode: deque[float] = deque(maxlen=WINDOW)
+        self._thread = threading.Thread(target=self._loop, name="edge-agent-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ validation
 
     def encode_prompt(self, request: GenerateRequest) -> list[int]:
         if not request.prompt:
@@ -117,8 +244,9 @@ class Engine:
             raise ContextOverflow(len(ids), ctx)
         return ids
 
-    def start(self, request: GenerateRequest, cancel: threading.Event | None = None) -> Generation:
-        """Validate a request and make its `Generation` (nothing runs yet)."""
+    def _prepare(
+        self, request: GenerateRequest, handle: RequestHandle, timeout: float | None
+    ) -> _Prepared:
         gen = self.profile.generation
         sampling = request.sampling or SamplingParams(
             temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p
@@ -127,41 +255,71 @@ class Engine:
         max_tokens = gen.max_tokens if request.max_tokens is None else request.max_tokens
         if max_tokens < 1:
             raise InvalidRequest(f"max_tokens = {max_tokens} must be at least 1")
+        for s in request.stop:
+            if not s:
+                raise InvalidRequest("stop sequences must not be empty")
         ids = self.encode_prompt(request)
-        return Generation(
-            self.loaded.runner,
-            self._kv,
-            self.tokenizer.stream(),
-            ids,
-            start_pos=0,
-            max_tokens=max_tokens,
-            sampler=Sampler(sampling),
-            stop=request.stop,
-            stop_ids=self._stop_ids,
-            prefill_chunk=gen.prefill_chunk,
-            cancel=cancel,
-        )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return _Prepared(handle, ids, max_tokens, sampling, request.stop, deadline)
+
+    # ------------------------------------------------------------------ public API
+
+    def submit(
+        self, request: GenerateRequest, sink: Sink, *, timeout: float | None = None
+    ) -> RequestHandle:
+        """Validate and queue a request; its events go to `sink` from the engine thread.
+
+        Raises InvalidRequest / ContextOverflow for bad input, Overloaded when the queue is
+        full and Unavailable when the engine is stopping.
+        """
+        handle = RequestHandle(f"r{next(self._ids)}", sink, self.limits.max_pending_events)
+        prepared = self._prepare(request, handle, timeout)
+        with self._cv:
+            if self._stopping:
+                raise Unavailable("the engine is stopping")
+            try:
+                self._sched.submit(prepared)
+            except AgentError:
+                self._totals["rejected"] += 1
+                log.warning("request refused: queue full (%d waiting)", len(self._sched.waiting))
+                raise
+            self._cv.notify()
+        return handle
 
     def generate(
-        self, request: GenerateRequest, cancel: threading.Event | None = None
+        self,
+        request: GenerateRequest,
+        cancel: threading.Event | None = None,
+        *,
+        timeout: float | None = None,
     ) -> Iterator[TokenEvent]:
-        """Stream a request's events; closing the iterator cancels the request."""
-        generation = self.start(request, cancel)
-        with self._lock:
-            try:
-                while not generation.done:
-                    yield from generation.step()
-            finally:
-                if not generation.done:
-                    generation.cancel.set()
-                    generation.step()
-                log.info("request done: %s", generation.stats())
+        """Stream a request's events on the caller's thread; closing the iterator cancels it."""
+        events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+        handle = self.submit(request, events.put, timeout=timeout)
+        try:
+            while True:
+                try:
+                    event = events.get(timeout=0.05)
+                except queue.Empty:
+                    if cancel is not None and cancel.is_set():
+                        handle.cancel()
+                    continue
+                handle.consumed()
+                if cancel is not None and cancel.is_set():
+                    handle.cancel()
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            if not handle.done.is_set():
+                handle.cancel()
 
-    def complete(self, request: GenerateRequest) -> Completion:
+    def complete(self, request: GenerateRequest, *, timeout: float | None = None) -> Completion:
         """Run a request to the end and collect it."""
-        events = tuple(self.generate(request))
+        events = tuple(self.generate(request, timeout=timeout))
         last = events[-1]
-        assert last.finish_reason is not None and last.stats is not None  # generate's contract
+        if last.finish_reason is None or last.stats is None:
+            raise AssertionError("the last event of a request carries its finish and stats")
         return Completion(
             text="".join(e.text for e in events),
             token_ids=tuple(t for e in events for t in e.token_ids),
@@ -170,5 +328,149 @@ class Engine:
             events=events,
         )
 
+    def stats(self) -> EngineStats:
+        with self._cv:
+            t = dict(self._totals)
+            waiting, running = len(self._sched.waiting), len(self._sched.running)
+            ttft, dec = _percentiles(self._ttft), _percentiles(self._decode)
+        return EngineStats(
+            queue_depth=waiting,
+            queue_capacity=self._sched.queue_capacity,
+            active=running,
+            max_active=self._sched.max_running,
+            requests_total=t["total"],
+            requests_failed=t["failed"],
+            requests_rejected=t["rejected"],
+            requests_cancelled=t["cancelled"],
+            tokens_generated=t["tokens"],
+            ttft_ms=ttft,
+            decode_tok_s=dec,
+            heartbeat_age_s=self.heartbeat_age(),
+        )
+
+    def heartbeat_age(self) -> float:
+        """Seconds since the engine thread last went round its loop (a wedge shows here)."""
+        return time.monotonic() - self._beat
+
+    def stop(self, drain_timeout: float = 30.0) -> bool:
+        """Refuse new requests, let running and queued ones finish (up to the timeout), then
+        cancel what is left and stop the thread. Returns True if everything drained."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        deadline = time.monotonic() + drain_timeout
+        while time.monotonic() < deadline:
+            with self._cv:
+                if not self._sched.busy:
+                    break
+            time.sleep(0.01)
+        with self._cv:
+            drained = not self._sched.busy
+            for p in [*self._sched.waiting, *self._sched.running]:
+                p.handle.cancel()
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout=5.0)
+        return drained
+
     def close(self) -> None:
+        if not self._closed:
+            self.stop(drain_timeout=0.0)
         self.loaded.runner.close()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _take_kv(self) -> litert.KVCache:
+        if self._free_kv:
+            return self._free_kv.pop()
+        self._kv_made += 1
+        return self.loaded.runner.new_kv()
+
+    def _admit(self) -> None:
+        for p in self._sched.drop_waiting(lambda p: not p.handle.cancel_event.is_set()):
+            self._totals["cancelled"] += 1
+            p.handle.emit(TokenEvent("", finish_reason="cancelled", stats=_empty_stats(p)))
+        for p in self._sched.admit():
+            p.kv = self._take_kv()
+            p.generation = Generation(
+                self.loaded.runner,
+                p.kv,
+                self.tokenizer.stream(),
+                p.ids,
+                start_pos=0,
+                max_tokens=p.max_tokens,
+                sampler=Sampler(p.sampling),
+                stop=p.stop,
+                stop_ids=self._stop_ids,
+                prefill_chunk=self.profile.generation.prefill_chunk,
+                cancel=p.handle.cancel_event,
+                deadline=p.deadline,
+                queued_at=p.handle.submitted_at,
+            )
+
+    @staticmethod
+    def _ready(p: _Prepared) -> bool:
+        """Its consumer keeps up, or it is about to end (cancelled, past its deadline)."""
+        if p.handle.cancel_event.is_set() or p.handle.can_emit():
+            return True
+        return p.deadline is not None and time.monotonic() > p.deadline
+
+    def _loop(self) -> None:
+        while True:
+            self._beat = time.monotonic()
+            with self._cv:
+                if self._closed or (self._stopping and not self._sched.busy):
+                    return
+                self._admit()
+                p = self._sched.next(self._ready)
+                if p is None:
+                    # idle, or every running request waits for its consumer
+                    self._cv.wait(HEARTBEAT_S if not self._sched.running else 0.002)
+                    continue
+            self._step(p)
+
+    def _step(self, p: _Prepared) -> None:
+        gen = p.generation
+        assert gen is not None
+        try:
+            events = gen.step()
+        except Exception as exc:  # one failed request must not take the engine down
+            log.exception("request %s failed", p.handle.id)
+            events = [gen.fail(str(exc))]
+        for e in events:
+            p.handle.emit(e)
+        if gen.done:
+            self._retire(p, events[-1])
+
+    def _retire(self, p: _Prepared, last: TokenEvent) -> None:
+        stats = last.stats
+        with self._cv:
+            self._sched.finish(p)
+            if p.kv is not None:
+                self._free_kv.append(p.kv)
+            self._totals["total"] += 1
+            if last.finish_reason == "error":
+                self._totals["failed"] += 1
+            if last.finish_reason == "cancelled":
+                self._totals["cancelled"] += 1
+            if stats is not None:
+                self._totals["tokens"] += stats.generated_tokens
+                if stats.generated_tokens:
+                    self._ttft.append(stats.ttft_ms)
+                if stats.decode_tok_s:
+                    self._decode.append(stats.decode_tok_s)
+        if stats is not None:
+            log.info(
+                "request %s %s: %d+%d tokens, ttft %.1f ms, decode %.1f tok/s",
+                p.handle.id,
+                last.finish_reason,
+                stats.prompt_tokens,
+                stats.generated_tokens,
+                stats.ttft_ms,
+                stats.decode_tok_s,
+                extra={"request_id": p.handle.id, "model": self.info.name},
+            )
+
+
+def _empty_stats(p: _Prepared) -> RequestStats:
+    return RequestStats(len(p.ids), 0, 0.0, 0.0, 0.0, 0.0, 0.0, "")

@@ -61,6 +61,8 @@ class Generation:
         stop_ids: frozenset[int],
         prefill_chunk: int,
         cancel: threading.Event | None = None,
+        deadline: float | None = None,
+        queued_at: float | None = None,
     ) -> None:
         self._runner = runner
         self._kv = kv
@@ -74,6 +76,8 @@ class Generation:
         self._stop_ids = stop_ids
         self._chunk = prefill_chunk
         self.cancel = cancel or threading.Event()
+        self._deadline = deadline  # time.monotonic() value
+        self._queued_at = queued_at  # time.perf_counter() value
         self.generated: list[int] = []
         self.done = False
         self._next_input = self._prompt[-1]
@@ -94,6 +98,8 @@ class Generation:
             self._t0 = time.perf_counter()
         if self.cancel.is_set():
             return [self._finish("cancelled")]
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            return [self._finish("cancelled", error="deadline exceeded")]
         if self.prefilling:
             n = min(self._chunk, len(self._prompt) - 1 - self._prefilled)
             chunk = self._prompt[self._prefilled : self._prefilled + n]
@@ -120,15 +126,25 @@ class Generation:
             return [self._finish("length", text, (token,))]
         return [TokenEvent(text, (token,))]
 
+    def fail(self, message: str) -> TokenEvent:
+        """End the request with an error (the runtime failed under it)."""
+        return self._finish("error", error=message)
+
     def _finish(
-        self, reason: str, text: str = "", ids: tuple[int, ...] = (), *, flush: bool = True
+        self,
+        reason: str,
+        text: str = "",
+        ids: tuple[int, ...] = (),
+        *,
+        flush: bool = True,
+        error: str | None = None,
     ) -> TokenEvent:
         self.done = True
         self._t_end = time.perf_counter()
         if flush:
             # What was held back for a possible stop string, plus an incomplete UTF-8 tail.
             text += self._stop.flush() + self._detok.flush()
-        return TokenEvent(text, ids, finish_reason=reason, stats=self.stats())
+        return TokenEvent(text, ids, finish_reason=reason, stats=self.stats(), error=error)
 
     def stats(self) -> RequestStats:
         t0 = self._t0 or time.perf_counter()
@@ -148,4 +164,5 @@ class Generation:
             # tokens after the first, over the time after the first
             decode_tok_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
             accelerator=self._runner.accelerator,
+            queue_ms=(t0 - self._queued_at) * 1e3 if self._queued_at is not None else 0.0,
         )

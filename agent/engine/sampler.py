@@ -33,7 +33,12 @@ class SamplingParams:
 
 
 class Sampler:
-    """Samples token ids from logits; one instance per request (it owns the RNG state)."""
+    """Samples token ids from logits; one instance per request (it owns the RNG state).
+
+    Work per token stays small next to a decode step: top-k narrows the vocabulary with an
+    O(V) partition before any exponentials or sorting, and the draw is one uniform number
+    against a cumulative sum.
+    """
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
@@ -43,20 +48,20 @@ class Sampler:
         p = self.params
         if p.temperature == 0.0:
             return int(np.argmax(logits))
-        scaled = logits.astype(np.float64) / p.temperature
-        if 0 < p.top_k < scaled.shape[-1]:
-            # Keep the k largest; ties at the boundary all survive, as in most runtimes.
-            kth = np.partition(scaled, -p.top_k)[-p.top_k]
-            scaled = np.where(scaled >= kth, scaled, -np.inf)
-        scaled -= scaled.max()
-        probs = np.exp(scaled)
-        probs /= probs.sum()
+        vocab = logits.shape[-1]
+        if 0 < p.top_k < vocab:
+            ids = np.argpartition(logits, vocab - p.top_k)[vocab - p.top_k :]
+        else:
+            ids = np.arange(vocab)
+        z = logits[ids].astype(np.float64)
         if p.top_p < 1.0:
-            order = np.argsort(-probs, kind="stable")
-            cumulative = np.cumsum(probs[order])
+            order = np.argsort(-z, kind="stable")  # by logit = by probability
+            ids, z = ids[order], z[order]
+        weights = np.exp((z - z.max()) / p.temperature)
+        cumulative = np.cumsum(weights)
+        if p.top_p < 1.0:
             # Smallest prefix whose mass reaches top_p (always at least one token).
-            keep = int(np.searchsorted(cumulative, p.top_p) + 1)
-            mask = np.zeros_like(probs)
-            mask[order[:keep]] = probs[order[:keep]]
-            probs = mask / mask.sum()
-        return int(self._rng.choice(probs.shape[-1], p=probs))
+            keep = int(np.searchsorted(cumulative, p.top_p * cumulative[-1])) + 1
+            cumulative = cumulative[:keep]
+        j = int(np.searchsorted(cumulative, self._rng.random() * cumulative[-1], side="right"))
+        return int(ids[min(j, len(cumulative) - 1)])

@@ -30,6 +30,7 @@ class RequestStats:
     prefill_tok_s: float
     decode_tok_s: float
     accelerator: str
+    queue_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
