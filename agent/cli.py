@@ -17,6 +17,7 @@ from agent.errors import AgentError
 log = logging.getLogger("agent.cli")
 
 EXIT_USAGE = 2
+PROFILE_ENV = "EDGE_AGENT_PROFILE"
 
 
 def _silence_native_stderr() -> None:
@@ -43,7 +44,12 @@ def _resolve(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from agent.profile import resolve_profile
 
     root = Path(getattr(args, "root", None) or "/")
-    return resolve_profile(getattr(args, "sub_profile", None) or args.profile, root)
+    return resolve_profile(_profile_name(args), root)
+
+
+def _profile_name(args: argparse.Namespace) -> str | None:
+    """--profile after the command, before it, or EDGE_AGENT_PROFILE (set by the drop-in)."""
+    return getattr(args, "sub_profile", None) or args.profile or os.environ.get(PROFILE_ENV)
 
 
 # ----------------------------------------------------------------------------- profile
@@ -175,6 +181,116 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- daemon
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from agent.config import load_config
+    from agent.daemon import Overrides, run_daemon
+    from agent.systemd import configure_logging
+
+    overrides = Overrides(
+        config_path=Path(args.config) if args.config else None,
+        profile=_profile_name(args),
+        model=Path(args.model).resolve() if args.model else None,
+        quantization=args.quantization,
+        socket=Path(args.socket).resolve() if args.socket else None,
+        tcp=args.tcp,
+    )
+    log_cfg = load_config(overrides.config_path).log
+    configure_logging("debug" if args.verbose else log_cfg.level, log_cfg.target)  # replaces
+    return run_daemon(overrides)
+
+
+# ----------------------------------------------------------------------------- client
+
+
+def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from agent.rpc.client import Client
+
+    return Client(args.socket, timeout=args.timeout)
+
+
+def _generate_via_socket(args: argparse.Namespace, chat: list[tuple[str, str]] | None) -> int:
+    import grpc
+
+    from agent.rpc.client import build_request, reply_json
+
+    client = _client(args)
+    request = build_request(
+        getattr(args, "prompt", None),
+        chat,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+        session=args.session,
+    )
+    try:
+        reply = client.generate(request, echo=not args.json)
+    except grpc.RpcError as exc:
+        print(f"edge-agent: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return EXIT_USAGE
+    finally:
+        client.close()
+    if args.json:
+        print(reply_json(reply))
+    else:
+        s = reply.stats
+        print()
+        print(
+            f"[{s.get('generated_tokens', 0)} tokens, {reply.finish_reason}; ttft "
+            f"{float(s.get('ttft_ms', 0)):.1f} ms, decode {float(s.get('decode_tok_s', 0)):.0f} "
+            f"tok/s, {s.get('accelerator', '')}]",
+            file=sys.stderr,
+        )
+    return 0 if reply.finish_reason != "error" else 1
+
+
+def cmd_client_generate(args: argparse.Namespace) -> int:
+    return _generate_via_socket(args, None)
+
+
+def cmd_client_chat(args: argparse.Namespace) -> int:
+    chat: list[tuple[str, str]] = []
+    if args.system:
+        chat.append(("system", args.system))
+    chat.append(("user", args.message))
+    return _generate_via_socket(args, chat)
+
+
+def _client_unary(args: argparse.Namespace, call: str) -> int:
+    import grpc
+
+    client = _client(args)
+    try:
+        result = getattr(client, call)()
+    except grpc.RpcError as exc:
+        print(f"edge-agent: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return EXIT_USAGE if call != "health" else 1
+    finally:
+        client.close()
+    if args.json or isinstance(result, dict):
+        print(json.dumps(result if isinstance(result, dict) else {"status": result}, indent=2))
+    else:
+        print(result)
+    if call == "health":
+        return 0 if result == "SERVING" else 1
+    return 0
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+
+
 # ----------------------------------------------------------------------------- parser
 
 
@@ -214,14 +330,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", default="/", help=argparse.SUPPRESS)
     p.add_argument("--model", help="model directory (default: the profile's, else the demo model)")
     p.add_argument("--quantization", help="pick this variant instead of the profile's choice")
-    p.add_argument("--max-tokens", type=int)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
-    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    _sampling_args(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("run", help="run the daemon (gRPC on a unix socket)")
+    _profile_arg(p)
+    p.add_argument("--model", help="model directory (default: config, profile, demo model)")
+    p.add_argument("--quantization", help="pick this variant instead of the profile's choice")
+    p.add_argument("--socket", help="unix socket path (default: /run/edge-agent/agent.sock)")
+    p.add_argument("--tcp", help="also listen on HOST:PORT (loopback unless the config allows)")
+    p.add_argument("--config", help="config file (default: /etc/edge-agent/agent.toml)")
+    p.set_defaults(func=cmd_run)
+
+    client = sub.add_parser("client", help="talk to a running daemon")
+    csub = client.add_subparsers(dest="client_command", required=True)
+
+    def client_common(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--socket", help="socket path or HOST:PORT (default: /run/edge-agent/agent.sock)"
+        )
+        p.add_argument("--timeout", type=float, help="deadline in seconds")
+
+    p = csub.add_parser("generate", help="stream a completion through the daemon")
+    p.add_argument("prompt")
+    p.add_argument("--session", help="continue this session")
+    client_common(p)
+    _sampling_args(p)
+    p.set_defaults(func=cmd_client_generate)
+    p = csub.add_parser("chat", help="one chat turn through the daemon")
+    p.add_argument("message")
+    p.add_argument("--system", help="system message")
+    p.add_argument("--session", help="continue this session")
+    client_common(p)
+    _sampling_args(p)
+    p.set_defaults(func=cmd_client_chat)
+    for name, call, text in (
+        ("info", "info", "model info"),
+        ("status", "status", "agent status"),
+        ("health", "health", "grpc.health.v1 status (exit 0 when SERVING)"),
+    ):
+        p = csub.add_parser(name, help=text)
+        client_common(p)
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(func=lambda a, call=call: _client_unary(a, call))
+
+    from agent.units import register_cli
+
+    register_cli(sub)
     return parser
 
 
@@ -229,10 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not args.verbose:
         _silence_native_stderr()
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    from agent.systemd import configure_logging
+
+    configure_logging("info" if args.verbose else "warning", "stderr")
     try:
         rc: int = args.func(args)
         return rc

@@ -49,8 +49,17 @@ def test_bad_profile_is_one_line_and_exit_2(tmp_path: Path) -> None:
 
 def test_generate_json_on_a_tiny_model(tiny_model_dir: Path) -> None:
     r = cli(
-        "generate", "def f(x):", "--model", str(tiny_model_dir), "--profile", "generic-x86_64",
-        "--max-tokens", "6", "--seed", "3", "--json",
+        "generate",
+        "def f(x):",
+        "--model",
+        str(tiny_model_dir),
+        "--profile",
+        "generic-x86_64",
+        "--max-tokens",
+        "6",
+        "--seed",
+        "3",
+        "--json",
     )
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
@@ -60,8 +69,15 @@ def test_generate_json_on_a_tiny_model(tiny_model_dir: Path) -> None:
     assert 1 <= len(doc["tokens"]) <= 6
     again = json.loads(
         cli(
-            "generate", "def f(x):", "--model", str(tiny_model_dir), "--max-tokens", "6",
-            "--seed", "3", "--json",
+            "generate",
+            "def f(x):",
+            "--model",
+            str(tiny_model_dir),
+            "--max-tokens",
+            "6",
+            "--seed",
+            "3",
+            "--json",
         ).stdout
     )
     assert again["tokens"] == doc["tokens"]

@@ -29,7 +29,10 @@ def dummy_prefix(tmp_path_factory) -> Tokenizer:
     lines = [f"the quick brown fox {i} jumps over the lazy dog" for i in range(300)]
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=buf, vocab_size=120, byte_fallback=True,
+        sentence_iterator=iter(lines),
+        model_writer=buf,
+        vocab_size=120,
+        byte_fallback=True,
         minloglevel=2,
     )
     path = tmp_path_factory.mktemp("spm") / "prose.model"

@@ -220,6 +220,7 @@ class Engine:
         self._ids = itertools.count(1)
         self._stopping = False
         self._closed = False
+        self._stall = 0.0
         self._beat = time.monotonic()
         self._totals = {"total": 0, "failed": 0, "rejected": 0, "cancelled": 0, "tokens": 0}
         self._ttft: deque[float] = deque(maxlen=WINDOW)
@@ -352,6 +353,12 @@ class Engine:
         """Seconds since the engine thread last went round its loop (a wedge shows here)."""
         return time.monotonic() - self._beat
 
+    def inject_stall(self, seconds: float) -> None:
+        """Fault injection for tests: the engine thread sleeps for `seconds` at its next turn."""
+        with self._cv:
+            self._stall = seconds
+            self._cv.notify()
+
     def stop(self, drain_timeout: float = 30.0) -> bool:
         """Refuse new requests, let running and queued ones finish (up to the timeout), then
         cancel what is left and stop the thread. Returns True if everything drained."""
@@ -421,13 +428,17 @@ class Engine:
             with self._cv:
                 if self._closed or (self._stopping and not self._sched.busy):
                     return
+                stall, self._stall = self._stall, 0.0
                 self._admit()
-                p = self._sched.next(self._ready)
-                if p is None:
+                p = None if stall else self._sched.next(self._ready)
+                if p is None and not stall:
                     # idle, or every running request waits for its consumer
                     self._cv.wait(HEARTBEAT_S if not self._sched.running else 0.002)
                     continue
-            self._step(p)
+            if p is not None:
+                self._step(p)
+            else:
+                time.sleep(stall)  # a real stall: nothing on this thread runs meanwhile
 
     def _step(self, p: _Prepared) -> None:
         gen = p.generation

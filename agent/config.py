@@ -1,0 +1,188 @@
+"""The agent's own configuration (`/etc/edge-agent/agent.toml`): what is not board-specific.
+
+Board-specific settings live in device profiles; this file holds the socket, the optional TCP
+listener, limits, the model directory and logging. Parsing is pure (`parse_config`); `load_config`
+does the I/O; command-line flags are applied on top with `dataclasses.replace`. A missing
+default file means defaults; a missing file named explicitly is an error.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.errors import ConfigError
+from agent.tomltable import Table
+
+DEFAULT_PATH = Path("/etc/edge-agent/agent.toml")
+DEFAULT_SOCKET = Path("/run/edge-agent/agent.sock")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_TARGETS = ("auto", "journald", "stderr")
+
+TOP = ("server", "limits", "model", "log", "watchdog")
+SERVER = ("socket", "socket_mode", "socket_group", "tcp", "allow_remote_tcp", "max_message_bytes")
+LIMITS = (
+    "max_active",
+    "queue_capacity",
+    "max_pending_events",
+    "drain_timeout_s",
+    "max_tokens",
+)
+MODEL = ("path", "quantization")
+LOG = ("level", "target")
+WATCHDOG = ("engine_stall_s", "tick_s")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    socket: Path = DEFAULT_SOCKET
+    socket_mode: int = 0o660
+    socket_group: str | None = None
+    tcp: str | None = None  # "HOST:PORT"; loopback only unless allow_remote_tcp
+    allow_remote_tcp: bool = False
+    max_message_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    max_active: int = 4
+    queue_capacity: int = 16
+    max_pending_events: int = 64
+    drain_timeout_s: float = 20.0
+    max_tokens: int = 4096  # upper bound on any request's max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    path: Path | None = None
+    quantization: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    level: str = "info"
+    target: str = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class WatchdogConfig:
+    engine_stall_s: float = 10.0  # engine heartbeat older than this stops WATCHDOG=1
+    tick_s: float = 1.0  # main loop tick (status, watchdog)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    source: str = "<defaults>"
+    server: ServerConfig = ServerConfig()
+    limits: LimitsConfig = LimitsConfig()
+    model: ModelConfig = ModelConfig()
+    log: LogConfig = LogConfig()
+    watchdog: WatchdogConfig = WatchdogConfig()
+
+
+def check_tcp(source: str, key: str, value: str, allow_remote: bool) -> str:
+    """`HOST:PORT` with a literal IP; non-loopback hosts only when explicitly allowed."""
+    host, sep, port = value.rpartition(":")
+    host = host.strip("[]")
+    allowed = "HOST:PORT with a literal IP address, e.g. 127.0.0.1:50051 or [::1]:50051"
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(source, key, value, allowed)
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError as exc:
+        raise ConfigError(source, key, value, allowed) from exc
+    if not ip.is_loopback and not allow_remote:
+        raise ConfigError(
+            source,
+            key,
+            value,
+            "a loopback address (127.0.0.0/8 or ::1); set server.allow_remote_tcp = true to "
+            "listen beyond this machine",
+        )
+    return value
+
+
+def parse_config(data: Mapping[str, object], source: str) -> AgentConfig:
+    """Validate a parsed TOML document into an AgentConfig."""
+    top = Table(data, source, "", TOP)
+    d = AgentConfig()
+    s = top.table("server", SERVER, required=False)
+    server = d.server
+    if s is not None:
+        mode_text = s.raw.get("socket_mode", "0660")
+        if not isinstance(mode_text, str) or not _is_mode(mode_text):
+            raise s.error("socket_mode", mode_text, 'an octal string such as "0660"')
+        allow = s.flag("allow_remote_tcp", default=False)
+        tcp = s.optional_text("tcp")
+        server = ServerConfig(
+            socket=s.absolute_path("socket") or d.server.socket,
+            socket_mode=int(mode_text, 8),
+            socket_group=s.optional_text("socket_group"),
+            tcp=check_tcp(source, "server.tcp", tcp, allow) if tcp else None,
+            allow_remote_tcp=allow,
+            max_message_bytes=s.size(
+                "max_message_bytes", 4096, 64 << 20, d.server.max_message_bytes
+            ),
+        )
+    lt = top.table("limits", LIMITS, required=False)
+    limits = d.limits
+    if lt is not None:
+        limits = LimitsConfig(
+            max_active=lt.integer("max_active", 1, 256, d.limits.max_active),
+            queue_capacity=lt.integer("queue_capacity", 0, 4096, d.limits.queue_capacity),
+            max_pending_events=lt.integer(
+                "max_pending_events", 1, 65536, d.limits.max_pending_events
+            ),
+            drain_timeout_s=lt.number("drain_timeout_s", 0, 3600)
+            if "drain_timeout_s" in lt.raw
+            else d.limits.drain_timeout_s,
+            max_tokens=lt.integer("max_tokens", 1, 1 << 20, d.limits.max_tokens),
+        )
+    m = top.table("model", MODEL, required=False)
+    model = d.model
+    if m is not None:
+        model = ModelConfig(
+            path=m.absolute_path("path"), quantization=m.optional_text("quantization")
+        )
+    lg = top.table("log", LOG, required=False)
+    log = d.log
+    if lg is not None:
+        log = LogConfig(
+            level=lg.choice("level", LOG_LEVELS) if "level" in lg.raw else d.log.level,
+            target=lg.choice("target", LOG_TARGETS) if "target" in lg.raw else d.log.target,
+        )
+    w = top.table("watchdog", WATCHDOG, required=False)
+    watchdog = d.watchdog
+    if w is not None:
+        watchdog = WatchdogConfig(
+            engine_stall_s=w.number("engine_stall_s", 0.5, 3600, lo_open=False)
+            if "engine_stall_s" in w.raw
+            else d.watchdog.engine_stall_s,
+            tick_s=w.number("tick_s", 0.05, 60) if "tick_s" in w.raw else d.watchdog.tick_s,
+        )
+    return AgentConfig(source, server, limits, model, log, watchdog)
+
+
+def _is_mode(text: str) -> bool:
+    try:
+        return 0 <= int(text, 8) <= 0o777
+    except ValueError:
+        return False
+
+
+def load_config(path: Path | None) -> AgentConfig:
+    """Read the config file; the default path may be absent (defaults), a named one may not."""
+    target = path or DEFAULT_PATH
+    try:
+        with open(target, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError as exc:
+        if path is None:
+            return AgentConfig()
+        raise ConfigError(str(target), "<file>", str(target), "an existing TOML file") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(str(target), "<syntax>", str(exc), "valid TOML") from exc
+    return parse_config(data, str(target))

@@ -1,0 +1,284 @@
+"""The daemon: composition root and lifecycle (startup → main loop with a tick → shutdown).
+
+Signal handlers only set flags and wake the main loop. The tick sends the systemd watchdog
+ping — only while the engine thread answers its heartbeat, so a wedged engine gets the
+service restarted — and a STATUS line when it changed. SIGHUP re-reads the configuration and
+the profile and, when the model changed, loads the new engine beside the old one, switches
+new requests to it and drains the old one: the socket stays bound and no request is dropped.
+SIGTERM stops accepting, drains in-flight requests within the configured timeout, and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent import __version__
+from agent.config import AgentConfig, load_config
+from agent.engine.engine import Engine, EngineLimits
+from agent.errors import Unavailable
+from agent.modeldir import demo_model_dir
+from agent.profile import DeviceProfile, resolve_profile
+from agent.rpc.server import Server
+from agent.status import AgentStatus, rss_bytes
+from agent.systemd import Notifier
+
+log = logging.getLogger(__name__)
+
+FAULT_ENV = "EDGE_AGENT_FAULT_INJECTION"  # "1": SIGUSR2 stalls the engine thread (tests only)
+
+
+@dataclass(frozen=True, slots=True)
+class Overrides:
+    """Command-line values that win over the config file and the profile."""
+
+    config_path: Path | None = None
+    profile: str | None = None
+    model: Path | None = None
+    quantization: str | None = None
+    socket: Path | None = None
+    tcp: str | None = None
+
+
+def _apply(config: AgentConfig, o: Overrides) -> AgentConfig:
+    server = config.server
+    if o.socket is not None:
+        server = dataclasses.replace(server, socket=o.socket)
+    if o.tcp is not None:
+        from agent.config import check_tcp
+
+        check_tcp("--tcp", "tcp", o.tcp, server.allow_remote_tcp)
+        server = dataclasses.replace(server, tcp=o.tcp)
+    model = config.model
+    if o.model is not None:
+        model = dataclasses.replace(model, path=o.model)
+    if o.quantization is not None:
+        model = dataclasses.replace(model, quantization=o.quantization)
+    return dataclasses.replace(config, server=server, model=model)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """Everything that decides which engine to run; a reload rebuilds when this changes."""
+
+    profile: DeviceProfile
+    model_dir: Path
+    quantization: str | None
+    limits: EngineLimits
+
+
+def _plan(config: AgentConfig, overrides: Overrides) -> _Plan:
+    profile, reasons = resolve_profile(overrides.profile)
+    for r in reasons:
+        log.info("profile %s: %s", profile.name, r)
+    model_dir = config.model.path or profile.model.path or demo_model_dir()
+    lim = config.limits
+    return _Plan(
+        profile,
+        model_dir,
+        config.model.quantization,
+        EngineLimits(lim.max_active, lim.queue_capacity, lim.max_pending_events),
+    )
+
+
+def _build(plan: _Plan) -> Engine:
+    return Engine(plan.profile, plan.model_dir, quantization=plan.quantization, limits=plan.limits)
+
+
+class Daemon:
+    def __init__(self, overrides: Overrides, notifier: Notifier | None = None) -> None:
+        self.overrides = overrides
+        self.config = _apply(load_config(overrides.config_path), overrides)
+        self.notifier = notifier or Notifier.from_env()
+        self._engine: Engine | None = None
+        self._plan: _Plan | None = None
+        self._state = "starting"
+        self._started = time.monotonic()
+        self._stop = False
+        self._reload = False
+        self._wake: asyncio.Event | None = None
+        self._last_status = ""
+        self._draining: list[threading.Thread] = []
+
+    # ------------------------------------------------------------------ Backend protocol
+
+    def engine(self) -> Engine:
+        if self._engine is None or self._state in ("starting", "stopping"):
+            raise Unavailable(f"the agent is {self._state}")
+        return self._engine
+
+    def status(self) -> AgentStatus:
+        e = self._engine
+        if e is None or self._plan is None:
+            raise Unavailable(f"the agent is {self._state}")
+        return AgentStatus(
+            profile=self._plan.profile.name,
+            version=__version__,
+            state=self._state,
+            uptime_s=time.monotonic() - self._started,
+            rss_bytes=rss_bytes(),
+            budget_bytes=e.memory.budget,
+            planned_bytes=e.memory.total,
+            model=f"{e.info.name} {e.info.version} {e.info.quantization}",
+            active_sessions=0,
+            engine=e.stats(),
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._install_signals(loop)
+        t0 = time.monotonic()
+        self._plan = _plan(self.config, self.overrides)
+        self.notifier.status(f"loading {self._plan.model_dir.name} on {self._plan.profile.name}")
+        self._engine = await loop.run_in_executor(None, _build, self._plan)
+        server = Server(self, self.config.server, self.config.limits.max_tokens)
+        await server.start()
+        self._state = "serving"
+        await server.set_serving(True)
+        info = self._engine.info
+        log.info(
+            "ready in %.2f s: %s %s (%s) on %s via %s, profile %s",
+            time.monotonic() - t0,
+            info.name,
+            info.version,
+            info.quantization,
+            info.accelerator,
+            info.execution_path,
+            self._plan.profile.name,
+        )
+        self.notifier.ready(self._status_line())
+        try:
+            await self._main_loop(server)
+        finally:
+            await self._shutdown(server)
+        return 0
+
+    def _install_signals(self, loop: asyncio.AbstractEventLoop) -> None:
+        loop.add_signal_handler(signal.SIGTERM, self._request_stop)
+        loop.add_signal_handler(signal.SIGINT, self._request_stop)
+        loop.add_signal_handler(signal.SIGHUP, self._request_reload)
+        if os.environ.get(FAULT_ENV) == "1":
+            loop.add_signal_handler(signal.SIGUSR2, self._inject_stall)
+
+    def _request_stop(self) -> None:
+        self._stop = True
+        if self._wake is not None:
+            self._wake.set()
+
+    def _request_reload(self) -> None:
+        self._reload = True
+        if self._wake is not None:
+            self._wake.set()
+
+    def _inject_stall(self) -> None:
+        if self._engine is not None:
+            log.warning("fault injection: stalling the engine thread")
+            self._engine.inject_stall(3600.0)
+
+    async def _main_loop(self, server: Server) -> None:
+        assert self._wake is not None
+        tick = self.config.watchdog.tick_s
+        while not self._stop:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=tick)
+            self._wake.clear()
+            if self._reload and not self._stop:
+                self._reload = False
+                await self._do_reload(server)
+            self._tick()
+
+    def _tick(self) -> None:
+        e = self._engine
+        if e is None:
+            return
+        age = e.heartbeat_age()
+        if age < self.config.watchdog.engine_stall_s:
+            self.notifier.watchdog()
+        else:
+            # no WATCHDOG=1: systemd restarts us after WatchdogSec
+            log.error("engine thread has not answered for %.1f s; withholding the watchdog", age)
+        line = self._status_line()
+        if line != self._last_status:
+            self._last_status = line
+            self.notifier.status(line)
+
+    def _status_line(self) -> str:
+        e = self._engine
+        if e is None:
+            return self._state
+        s = e.stats()
+        return (
+            f"{self._state}: {e.info.name} {e.info.quantization} on {e.info.accelerator}; "
+            f"{s.active} active, {s.queue_depth} queued, {s.requests_total} done"
+        )
+
+    async def _do_reload(self, server: Server) -> None:
+        loop = asyncio.get_running_loop()
+        self.notifier.reloading("reloading configuration and profile")
+        log.info("reload requested (SIGHUP)")
+        try:
+            config = _apply(load_config(self.overrides.config_path), self.overrides)
+            plan = _plan(config, self.overrides)
+            self.config = config
+            if plan != self._plan:
+                self._state = "reloading"
+                new = await loop.run_in_executor(None, _build, plan)
+                await server.set_serving(False)
+                old, self._engine, self._plan = self._engine, new, plan
+                await server.set_serving(True)
+                if old is not None:
+                    self._drain_in_background(old)
+                log.info("reloaded: now serving %s %s", new.info.name, new.info.quantization)
+            else:
+                log.info("reload: model and profile unchanged")
+        except Exception as exc:  # a bad new config keeps the old one serving
+            log.error("reload failed, still serving the previous model: %s", exc)
+        self._state = "serving"
+        self.notifier.ready(self._status_line())
+
+    def _drain_in_background(self, old: Engine) -> None:
+        timeout = self.config.limits.drain_timeout_s
+
+        def drain() -> None:
+            drained = old.stop(timeout)
+            old.close()
+            log.info("previous engine %s", "drained" if drained else "stopped after timeout")
+
+        t = threading.Thread(target=drain, name="edge-agent-drain", daemon=True)
+        t.start()
+        self._draining.append(t)
+
+    async def _shutdown(self, server: Server) -> None:
+        loop = asyncio.get_running_loop()
+        self._state = "stopping"
+        timeout = self.config.limits.drain_timeout_s
+        self.notifier.stopping(f"stopping: draining in-flight requests (up to {timeout:.0f} s)")
+        await server.set_serving(False)
+        if self._engine is not None:
+            engine = self._engine
+            drained = await loop.run_in_executor(None, engine.stop, timeout)
+            log.info(
+                "shutdown: %s", "drained" if drained else "drain timed out, cancelled the rest"
+            )
+        await server.stop(grace=1.0)
+        for t in self._draining:
+            t.join(timeout)
+        if self._engine is not None:
+            self._engine.close()
+        log.info("stopped")
+
+
+def run_daemon(overrides: Overrides) -> int:
+    """Entry point of `edge-agent run`."""
+    return asyncio.run(Daemon(overrides).run())

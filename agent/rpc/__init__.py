@@ -1,0 +1,1 @@
+"""The local gRPC API: a thin adapter between protobuf messages and the engine."""

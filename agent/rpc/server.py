@@ -1,0 +1,333 @@
+"""grpc.aio server on a unix socket: the Agent service, grpc.health.v1 and reflection.
+
+Wire messages become domain values here and never travel inward; domain errors become gRPC
+status codes through `agent.errors.GRPC_STATUS`. The engine runs on its own thread; its events
+reach the stream through `loop.call_soon_threadsafe` into a per-request asyncio queue, and the
+consumer acknowledges each event so the engine pauses a request whose client has fallen behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from agent.config import ServerConfig
+from agent.engine.chat import ChatMessage, render_chat
+from agent.engine.engine import Engine
+from agent.engine.sampler import SamplingParams
+from agent.engine.types import GenerateRequest, TokenEvent
+from agent.errors import AgentError, InvalidRequest, NotFound, grpc_status_name
+from agent.pb.edge_agent.v1 import agent_pb2 as pb
+from agent.status import AgentStatus
+
+log = logging.getLogger(__name__)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Agent"].full_name
+FINISH = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "cancelled": pb.FINISH_REASON_CANCELLED,
+    "error": pb.FINISH_REASON_ERROR,
+}
+
+
+class Backend(Protocol):
+    """What the server needs from the daemon."""
+
+    def engine(self) -> Engine:
+        """The engine serving new requests (raises Unavailable when there is none)."""
+        ...
+
+    def status(self) -> AgentStatus: ...
+
+
+class _Invalid:
+    """A request that could not be parsed (bad protobuf, invalid UTF-8 in a string)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _lenient(cls: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except (DecodeError, UnicodeDecodeError, ValueError) as exc:
+            return _Invalid(f"request is not a valid {cls.DESCRIPTOR.full_name}: {exc}")
+
+    return parse
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    code = getattr(grpc.StatusCode, grpc_status_name(exc))
+    await context.abort(code, str(exc))
+
+
+def _check(request: Any) -> None:
+    if isinstance(request, _Invalid):
+        raise InvalidRequest(request.reason)
+
+
+def to_request(msg: pb.GenerateRequest, engine: Engine, max_tokens_limit: int) -> GenerateRequest:
+    """Wire → domain, with every field checked."""
+    if msg.session_id:
+        raise NotFound(f"unknown session {msg.session_id!r}")
+    which = msg.WhichOneof("input")
+    if which == "chat":
+        messages = [ChatMessage(m.role, m.content) for m in msg.chat.messages]
+        prompt = render_chat(messages, engine.meta.chat_template)
+    elif which == "prompt":
+        prompt = msg.prompt
+    else:
+        raise InvalidRequest("request has neither a prompt nor chat messages")
+    defaults = engine.profile.generation
+    s = msg.sampling
+    sampling = SamplingParams(
+        temperature=s.temperature if s.HasField("temperature") else defaults.temperature,
+        top_k=s.top_k if s.HasField("top_k") else defaults.top_k,
+        top_p=s.top_p if s.HasField("top_p") else defaults.top_p,
+        seed=s.seed if s.HasField("seed") else None,
+    )
+    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else None
+    if max_tokens is not None and max_tokens > max_tokens_limit:
+        raise InvalidRequest(
+            f"max_tokens = {max_tokens} is above this agent's limit {max_tokens_limit}"
+        )
+    return GenerateRequest(prompt, max_tokens=max_tokens, sampling=sampling, stop=tuple(msg.stop))
+
+
+def to_response(event: TokenEvent, request_id: str) -> pb.GenerateResponse:
+    r = pb.GenerateResponse(text=event.text, token_ids=list(event.token_ids))
+    if event.finish_reason is not None:
+        r.finish_reason = FINISH[event.finish_reason]
+        r.request_id = request_id
+        if event.error:
+            r.error = event.error
+        s = event.stats
+        if s is not None:
+            r.stats.CopyFrom(
+                pb.RequestStats(
+                    prompt_tokens=s.prompt_tokens,
+                    generated_tokens=s.generated_tokens,
+                    ttft_ms=s.ttft_ms,
+                    prefill_tok_s=s.prefill_tok_s,
+                    decode_tok_s=s.decode_tok_s,
+                    accelerator=s.accelerator,
+                    queue_ms=s.queue_ms,
+                )
+            )
+    return r
+
+
+def status_message(st: AgentStatus) -> pb.AgentStatus:
+    e = st.engine
+    return pb.AgentStatus(
+        profile=st.profile,
+        version=st.version,
+        uptime_s=st.uptime_s,
+        rss_bytes=st.rss_bytes,
+        budget_bytes=st.budget_bytes,
+        planned_bytes=st.planned_bytes,
+        queue_depth=e.queue_depth,
+        queue_capacity=e.queue_capacity,
+        active_requests=e.active,
+        max_active=e.max_active,
+        active_sessions=st.active_sessions,
+        requests_total=e.requests_total,
+        requests_failed=e.requests_failed,
+        requests_rejected=e.requests_rejected,
+        tokens_generated=e.tokens_generated,
+        ttft_ms=pb.Percentiles(p50=e.ttft_ms.p50, p95=e.ttft_ms.p95),
+        decode_tok_s=pb.Percentiles(p50=e.decode_tok_s.p50, p95=e.decode_tok_s.p95),
+        state=st.state,
+        model=st.model,
+    )
+
+
+class AgentService:
+    """The edge_agent.v1.Agent methods."""
+
+    def __init__(self, backend: Backend, max_tokens_limit: int) -> None:
+        self._backend = backend
+        self._max_tokens = max_tokens_limit
+
+    async def Generate(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        try:
+            _check(request)
+            engine = self._backend.engine()
+            domain = to_request(request, engine, self._max_tokens)
+            remaining = context.time_remaining()
+
+            def sink(event: TokenEvent) -> None:  # engine thread → event loop
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+            handle = engine.submit(domain, sink, timeout=remaining)
+        except AgentError as exc:
+            log.info("generate refused: %s", exc)
+            await _abort(context, exc)
+            return
+        try:
+            while True:
+                event = await events.get()
+                handle.consumed()
+                yield to_response(event, handle.id)
+                if event.finish_reason is not None:
+                    return
+        finally:
+            # client gone, deadline passed or server stopping: stop within one token
+            if not handle.done.is_set():
+                handle.cancel()
+
+    async def Tokenize(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        try:
+            _check(request)
+            engine = self._backend.engine()
+            ids = engine.tokenizer.encode(request.text)
+            if request.add_bos:
+                ids = [engine.meta.bos_id, *ids]
+        except AgentError as exc:
+            await _abort(context, exc)
+            raise  # unreachable: abort raises
+        return pb.TokenizeResponse(token_ids=ids)
+
+    async def Detokenize(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        try:
+            _check(request)
+            text = self._backend.engine().tokenizer.decode(list(request.token_ids))
+        except AgentError as exc:
+            await _abort(context, exc)
+            raise
+        return pb.DetokenizeResponse(text=text)
+
+    async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        try:
+            _check(request)
+            i = self._backend.engine().info
+        except AgentError as exc:
+            await _abort(context, exc)
+            raise
+        return pb.ModelInfo(
+            name=i.name,
+            version=i.version,
+            sha256=i.sha256,
+            quantization=i.quantization,
+            vocab_size=i.vocab_size,
+            context_length=i.context_length,
+            signatures=list(i.signatures),
+            accelerator=i.accelerator,
+            execution_path=i.execution_path,
+            kv_layout=i.kv_layout,
+            fallbacks=list(i.fallbacks),
+        )
+
+    async def GetStatus(self, request: Any, context: grpc.aio.ServicerContext) -> pb.AgentStatus:
+        _ = request
+        return status_message(self._backend.status())
+
+
+def _handlers(service: AgentService) -> grpc.GenericRpcHandler:
+    """The Agent service's handlers, with request parsing that maps bad bytes to
+    INVALID_ARGUMENT instead of a generic deserialization failure."""
+    out = pb.GenerateResponse.SerializeToString
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate, _lenient(pb.GenerateRequest), out
+        ),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            service.Tokenize, _lenient(pb.TokenizeRequest), pb.TokenizeResponse.SerializeToString
+        ),
+        "Detokenize": grpc.unary_unary_rpc_method_handler(
+            service.Detokenize,
+            _lenient(pb.DetokenizeRequest),
+            pb.DetokenizeResponse.SerializeToString,
+        ),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            service.GetModelInfo, _lenient(pb.GetModelInfoRequest), pb.ModelInfo.SerializeToString
+        ),
+        "GetStatus": grpc.unary_unary_rpc_method_handler(
+            service.GetStatus, _lenient(pb.GetStatusRequest), pb.AgentStatus.SerializeToString
+        ),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+class Server:
+    """The gRPC server: bind, serve, flip health, stop."""
+
+    def __init__(self, backend: Backend, config: ServerConfig, max_tokens_limit: int) -> None:
+        self._config = config
+        opts = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self._server = grpc.aio.server(options=opts)
+        self._server.add_generic_rpc_handlers((_handlers(AgentService(backend, max_tokens_limit)),))
+        self.health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            (
+                SERVICE,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            self._server,
+        )
+        self.addresses: list[str] = []
+
+    async def start(self) -> None:
+        """Bind the unix socket (and TCP if configured), then start serving (NOT_SERVING)."""
+        await self.set_serving(False)
+        sock = self._config.socket
+        sock.parent.mkdir(parents=True, exist_ok=True)
+        if sock.is_socket() or sock.exists():
+            sock.unlink()  # a stale socket from a previous run
+        old = os.umask(0o777 ^ self._config.socket_mode)
+        try:
+            self._server.add_insecure_port(f"unix:{sock}")
+        finally:
+            os.umask(old)
+        self.addresses.append(f"unix:{sock}")
+        if self._config.tcp:
+            port = self._server.add_insecure_port(self._config.tcp)
+            self.addresses.append(f"{self._config.tcp.rpartition(':')[0]}:{port}")
+        await self._server.start()
+        os.chmod(sock, self._config.socket_mode)
+        if self._config.socket_group:
+            os.chown(sock, -1, grp.getgrnam(self._config.socket_group).gr_gid)
+        log.info("listening on %s", ", ".join(self.addresses))
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float) -> None:
+        await self.set_serving(False)
+        await self._server.stop(grace)
+        with contextlib.suppress(FileNotFoundError):
+            Path(self._config.socket).unlink()

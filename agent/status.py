@@ -1,0 +1,33 @@
+"""The agent's status as one frozen value (what GetStatus, the CLI and telemetry report)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agent.engine.engine import EngineStats
+
+
+@dataclass(frozen=True, slots=True)
+class AgentStatus:
+    profile: str
+    version: str
+    state: str  # "starting" | "serving" | "reloading" | "stopping"
+    uptime_s: float
+    rss_bytes: int
+    budget_bytes: int
+    planned_bytes: int
+    model: str
+    active_sessions: int
+    engine: EngineStats
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (from /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+    import os
+
+    return pages * os.sysconf("SC_PAGE_SIZE")

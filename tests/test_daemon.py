@@ -1,0 +1,310 @@
+"""The daemon end to end: real subprocess, real gRPC over a unix socket, real notify socket."""
+
+from __future__ import annotations
+
+import signal
+import stat
+import threading
+import time
+
+import grpc
+import pytest
+
+from agent.pb.edge_agent.v1 import agent_pb2 as pb
+from agent.pb.edge_agent.v1 import agent_pb2_grpc as pb_grpc
+from agent.rpc.client import build_request
+from tests.daemon_harness import Daemon
+
+
+def req(prompt: str = "def f(x):", n: int = 8, seed: int = 1, **kw) -> pb.GenerateRequest:
+    return build_request(
+        prompt,
+        None,
+        max_tokens=n,
+        temperature=kw.get("temperature"),
+        top_k=None,
+        top_p=kw.get("top_p"),
+        seed=seed,
+        stop=kw.get("stop", []),
+        session=kw.get("session"),
+    )
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model_dir, tmp_path_factory):
+    d = Daemon(
+        tmp_path_factory.mktemp("daemon"),
+        tiny_model_dir,
+        "[watchdog]\ntick_s = 0.2\n[server]\nmax_message_bytes = 65536\n",
+    )
+    yield d
+    assert d.stop() == 0, d.read_log()
+
+
+def test_ready_health_and_socket_mode(daemon: Daemon) -> None:
+    assert "STATUS" in daemon.ready and "serving" in daemon.ready["STATUS"]
+    assert stat.S_IMODE(daemon.socket.stat().st_mode) == 0o660
+    c = daemon.client()
+    assert c.health() == "SERVING"
+    assert c.health("edge_agent.v1.Agent") == "SERVING"
+
+
+def test_generate_streams_and_matches_in_process_engine(
+    daemon: Daemon, tiny_model_dir, dev_profile
+) -> None:
+    from agent.engine.engine import Engine
+    from agent.engine.sampler import SamplingParams
+    from agent.engine.types import GenerateRequest
+
+    c = daemon.client()
+    messages = list(c.stream(req(n=10, seed=4)))
+    assert len(messages) >= 2  # streamed, not one blob
+    reply = c.generate(req(n=10, seed=4))
+    assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH and reply.finish_reason == "length"
+    assert messages[-1].request_id
+    local = Engine(dev_profile, tiny_model_dir)  # the same variant the profile picks (int8)
+    want = local.complete(
+        GenerateRequest(
+            "def f(x):",
+            max_tokens=10,
+            sampling=SamplingParams(
+                dev_profile.generation.temperature,
+                dev_profile.generation.top_k,
+                dev_profile.generation.top_p,
+                4,
+            ),
+        )
+    )
+    local.close()
+    assert reply.tokens == list(want.token_ids)
+    assert reply.text == want.text
+    assert reply.stats["accelerator"] == "xnnpack"
+
+
+def test_info_tokenize_status(daemon: Daemon) -> None:
+    c = daemon.client()
+    info = c.info()
+    assert info["context_length"] == 128 and info["quantization"] == "int8"
+    assert info["kv_layout"] == "transposed" and "decode" in info["signatures"]
+    ids = c.stub.Tokenize(pb.TokenizeRequest(text="x = 1", add_bos=True)).token_ids
+    assert ids[0] == 1
+    assert c.stub.Detokenize(pb.DetokenizeRequest(token_ids=ids)).text == "x = 1"
+    st = c.status()
+    assert st["profile"] == "generic-x86_64" and st["state"] == "serving"
+    assert int(st["rss_bytes"]) > 0 and int(st["budget_bytes"]) == 4 << 30
+    assert int(st["requests_total"]) >= 1
+
+
+def test_reflection_lists_the_services(daemon: Daemon) -> None:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    c = daemon.client()
+    stub = reflection_pb2_grpc.ServerReflectionStub(c.channel)
+    responses = stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    )
+    names = {s.name for r in responses for s in r.list_services_response.service}
+    assert {"edge_agent.v1.Agent", "grpc.health.v1.Health"} <= names
+
+
+@pytest.mark.parametrize(
+    ("request_", "code", "fragment"),
+    [
+        (req(""), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+        (req(top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p = 1.5"),
+        (req(temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature = -1.0"),
+        (req(session="nope"), grpc.StatusCode.NOT_FOUND, "unknown session 'nope'"),
+        (req(n=10**6), grpc.StatusCode.INVALID_ARGUMENT, "above this agent's limit 4096"),
+        (pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "neither a prompt nor chat"),
+    ],
+)
+def test_bad_requests_get_the_right_status(daemon: Daemon, request_, code, fragment) -> None:
+    c = daemon.client()
+    with pytest.raises(grpc.RpcError) as err:
+        list(c.stream(request_))
+    assert err.value.code() == code
+    assert fragment in err.value.details()
+    assert c.generate(req()).finish_reason == "length"  # still serving
+
+
+def test_prompt_longer_than_context(daemon: Daemon) -> None:
+    c = daemon.client()
+    with pytest.raises(grpc.RpcError) as err:
+        list(c.stream(req("a b c d e f g h " * 40)))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "tokens but the model's context holds 128" in err.value.details()
+
+
+def test_oversized_and_invalid_utf8_messages(daemon: Daemon) -> None:
+    c = daemon.client()
+    with pytest.raises(grpc.RpcError) as err:
+        list(c.stream(req("x" * 70000)))  # max_message_bytes = 65536
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # field 1 (prompt), length-delimited, with bytes that are not UTF-8
+    raw = b"\x0a\x03\xff\xfe\xfd"
+    call = c.channel.unary_stream(
+        "/edge_agent.v1.Agent/Generate",
+        request_serializer=lambda b: b,
+        response_deserializer=pb.GenerateResponse.FromString,
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        list(call(raw, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert c.generate(req()).finish_reason == "length"
+
+
+def test_concurrent_clients(daemon: Daemon) -> None:
+    results: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        results[i] = daemon.client().generate(req(n=20, seed=i))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == 6
+    assert all(r.finish_reason in ("length", "stop") for r in results.values())
+
+
+def test_client_cancel_frees_the_request(daemon: Daemon) -> None:
+    c = daemon.client()
+    stream = c.stream(req(n=120))
+    next(stream)
+    stream.cancel()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if int(c.status()["active_requests"]) == 0:
+            break
+        time.sleep(0.02)
+    assert int(c.status()["active_requests"]) == 0
+    t0 = time.monotonic()
+    assert c.generate(req(n=4)).finish_reason == "length"
+    assert time.monotonic() - t0 < 5
+
+
+def test_chat_uses_the_template(daemon: Daemon) -> None:
+    c = daemon.client()
+    chat = build_request(
+        None,
+        [("system", "be brief"), ("user", "def f():")],
+        max_tokens=3,
+        temperature=0.0,
+        top_k=None,
+        top_p=None,
+        seed=None,
+        stop=[],
+    )
+    reply = c.generate(chat)
+    assert reply.finish_reason in ("length", "stop")
+    bad = build_request(
+        None,
+        [("robot", "x")],
+        max_tokens=3,
+        temperature=None,
+        top_k=None,
+        top_p=None,
+        seed=None,
+        stop=[],
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        list(c.stream(bad))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "role" in err.value.details()
+
+
+def test_watchdog_pings_while_healthy(daemon: Daemon) -> None:
+    since = len(daemon.notify.messages)
+    time.sleep(1.0)
+    daemon.notify.poll(0.1)
+    assert daemon.notify.count("WATCHDOG", since) >= 3  # tick 0.2 s
+
+
+# ----------------------------------------------------------------------------- lifecycle
+
+
+def test_sighup_reload_under_load_switches_model_without_failures(tiny_model_dir, tmp_path) -> None:
+    d = Daemon(tmp_path, tiny_model_dir, '[model]\nquantization = "fp32"\n')
+    try:
+        c = d.client()
+        assert c.info()["quantization"] == "fp32"
+        failures: list[BaseException] = []
+        done = threading.Event()
+
+        def load() -> None:
+            cl = d.client()
+            while not done.is_set():
+                try:
+                    r = cl.generate(req(n=30))
+                    assert r.finish_reason in ("length", "stop")
+                except BaseException as exc:  # any failed request fails the test
+                    failures.append(exc)
+
+        workers = [threading.Thread(target=load) for _ in range(3)]
+        for w in workers:
+            w.start()
+        time.sleep(0.5)
+        d.config.write_text('[model]\nquantization = "int8"\n')
+        since = len(d.notify.messages)
+        d.signal(signal.SIGHUP)
+        reloading = d.notify.wait_for("RELOADING", "1", since=since)
+        assert int(reloading["MONOTONIC_USEC"]) > 0
+        ready_at = d.notify.messages.index(reloading)
+        d.notify.wait_for("READY", "1", since=ready_at)
+        time.sleep(0.5)
+        done.set()
+        for w in workers:
+            w.join(60)
+        assert not failures, failures[:3]
+        assert c.info()["quantization"] == "int8"
+        assert c.health() == "SERVING"
+    finally:
+        assert d.stop() == 0, d.read_log()
+
+
+def test_sigterm_drains_in_flight_requests(tiny_model_dir, tmp_path) -> None:
+    d = Daemon(tmp_path, tiny_model_dir, "[limits]\ndrain_timeout_s = 30\n")
+    c = d.client()
+    stream = c.stream(req(n=100))
+    first = next(stream)
+    since = len(d.notify.messages)
+    d.signal(signal.SIGTERM)
+    rest = list(stream)
+    last = rest[-1] if rest else first
+    assert last.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP)
+    d.notify.wait_for("STOPPING", "1", since=since)
+    assert d.proc.wait(60) == 0
+    assert not d.socket.exists()
+    d.stop()
+
+
+def test_wedged_engine_stops_the_watchdog_and_full_queue_refuses(tiny_model_dir, tmp_path) -> None:
+    d = Daemon(
+        tmp_path,
+        tiny_model_dir,
+        "[watchdog]\ntick_s = 0.1\nengine_stall_s = 1.0\n"
+        "[limits]\nmax_active = 1\nqueue_capacity = 1\ndrain_timeout_s = 1\n",
+    )
+    try:
+        d.notify.wait_for("WATCHDOG", "1")
+        d.signal(signal.SIGUSR2)  # the engine thread sleeps: a real wedge
+        time.sleep(1.5)  # past engine_stall_s
+        d.notify.poll(0.1)
+        since = len(d.notify.messages)
+        time.sleep(1.0)
+        d.notify.poll(0.1)
+        assert d.notify.count("WATCHDOG", since) == 0
+        # with the engine stuck, one request waits in the queue and the next is refused
+        c = d.client(timeout=30)
+        waiting = c.stream(req(n=5))
+        stub = pb_grpc.AgentStub(c.channel)
+        deadline = time.monotonic() + 10
+        while int(c.status()["queue_depth"]) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(req(n=5), timeout=30))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "queue is full" in err.value.details()
+        waiting.cancel()
+    finally:
+        d.stop(timeout=30)
