@@ -70,7 +70,12 @@ class NotifyListener:
 
 class Daemon:
     def __init__(
-        self, tmp: Path, model_dir: Path, config: str = "", env: dict[str, str] | None = None
+        self,
+        tmp: Path,
+        model_dir: Path,
+        config: str = "",
+        env: dict[str, str] | None = None,
+        profile: str = "generic-x86_64",
     ):
         self.tmp = tmp
         self.socket = tmp / "run" / "agent.sock"
@@ -85,7 +90,7 @@ class Daemon:
                 "agent",
                 "run",
                 "--profile",
-                "generic-x86_64",
+                profile,
                 "--model",
                 str(model_dir),
                 "--socket",

@@ -308,3 +308,29 @@ def test_wedged_engine_stops_the_watchdog_and_full_queue_refuses(tiny_model_dir,
         waiting.cancel()
     finally:
         d.stop(timeout=30)
+
+
+def test_client_cli_through_the_socket(daemon: Daemon) -> None:
+    import json
+    import subprocess
+    import sys
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "agent", "client", *args, "--socket", str(daemon.socket)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    r = cli("generate", "def f(x):", "--max-tokens", "5", "--seed", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["finish_reason"] in ("length", "stop") and 1 <= len(doc["tokens"]) <= 5
+    assert set(doc["stats"]) >= {"ttft_ms", "prefill_tok_s", "decode_tok_s", "accelerator"}
+    streamed = cli("generate", "def f(x):", "--max-tokens", "5", "--seed", "2")
+    assert streamed.returncode == 0 and streamed.stdout.rstrip("\n") == doc["text"]
+    health = cli("health")
+    assert health.returncode == 0 and "SERVING" in health.stdout
+    bad = cli("generate", "", "--max-tokens", "5")
+    assert bad.returncode == 2 and "INVALID_ARGUMENT: prompt is empty" in bad.stderr
