@@ -23,7 +23,7 @@ from pathlib import Path
 
 from agent import __version__
 from agent.config import AgentConfig, load_config
-from agent.engine.engine import Engine, EngineLimits
+from agent.engine.engine import Engine, EngineLimits, estimate_memory
 from agent.errors import Unavailable
 from agent.modeldir import demo_model_dir
 from agent.profile import DeviceProfile, resolve_profile
@@ -233,6 +233,8 @@ class Daemon:
             self.config = config
             if plan != self._plan:
                 self._state = "reloading"
+                if not self._fits_beside(plan):
+                    await self._drain_current(server)
                 new = await loop.run_in_executor(None, _build, plan)
                 await server.set_serving(False)
                 old, self._engine, self._plan = self._engine, new, plan
@@ -243,9 +245,36 @@ class Daemon:
             else:
                 log.info("reload: model and profile unchanged")
         except Exception as exc:  # a bad new config keeps the old one serving
-            log.error("reload failed, still serving the previous model: %s", exc)
+            log.error("reload failed, keeping the previous model: %s", exc)
+            if self._engine is None and self._plan is not None:  # it was drained for the new one
+                self._engine = await loop.run_in_executor(None, _build, self._plan)
+                await server.set_serving(True)
         self._state = "serving"
         self.notifier.ready(self._status_line())
+
+    def _fits_beside(self, plan: _Plan) -> bool:
+        """Whether the new model can load while the current one still serves."""
+        if self._engine is None:
+            return True
+        need = estimate_memory(plan.profile, plan.model_dir, plan.quantization)
+        total = self._engine.memory.total + need
+        if total <= plan.profile.runtime.max_num_bytes:
+            return True
+        log.info(
+            "reload: old and new model need %d MiB together, budget %d MiB: draining first",
+            total >> 20,
+            plan.profile.runtime.max_num_bytes >> 20,
+        )
+        return False
+
+    async def _drain_current(self, server: Server) -> None:
+        """Stop serving (UNAVAILABLE), finish in-flight requests, unload the current model."""
+        loop = asyncio.get_running_loop()
+        await server.set_serving(False)
+        old, self._engine = self._engine, None
+        if old is not None:
+            await loop.run_in_executor(None, old.stop, self.config.limits.drain_timeout_s)
+            old.close()
 
     def _drain_in_background(self, old: Engine) -> None:
         timeout = self.config.limits.drain_timeout_s

@@ -19,7 +19,6 @@ tables into docs/PERFORMANCE.md between markers.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import resource
 import statistics
@@ -38,10 +37,7 @@ from agent.engine.sampler import SamplingParams  # noqa: E402
 from agent.engine.types import GenerateRequest  # noqa: E402
 from agent.modeldir import demo_model_dir, load_model_dir  # noqa: E402
 from agent.profile import resolve_profile  # noqa: E402
-from agent.runtime import litert  # noqa: E402
-
-BEGIN = "<!-- bench:engine:begin -->"
-END = "<!-- bench:engine:end -->"
+from scripts._report import fmt, med, write_section  # noqa: E402
 
 
 def rss_mib() -> float:
@@ -72,13 +68,11 @@ def bare_decode_ms(runner: Any, tokens: int, start: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / tokens
 
 
-def engine_decode(engine: Engine, tokens: int, seed: int) -> tuple[float, float]:
-    req = GenerateRequest(
-        prompt="import os\n", max_tokens=tokens, sampling=SamplingParams(0.8, 40, 0.95, seed)
-    )
-    c = engine.complete(req)
-    s = c.stats
-    return 1e3 / s.decode_tok_s, s.generated_tokens
+def engine_decode(engine: Engine, tokens: int, seed: int, greedy: bool = False) -> float:
+    """Engine ms/token over one generation (greedy, or the dev profile's sampling)."""
+    sampling = SamplingParams(0.0) if greedy else SamplingParams(0.8, 40, 0.95, seed)
+    c = engine.complete(GenerateRequest(prompt="import os\n", max_tokens=tokens, sampling=sampling))
+    return 1e3 / c.stats.decode_tok_s
 
 
 def prompt_of(engine: Engine, n: int) -> str:
@@ -88,14 +82,8 @@ def prompt_of(engine: Engine, n: int) -> str:
 
 
 def prefill(engine: Engine, prompt: str) -> tuple[float, float, int]:
-    c = engine.complete(
-        GenerateRequest(prompt=prompt, max_tokens=1, sampling=SamplingParams(0.0))
-    )
+    c = engine.complete(GenerateRequest(prompt=prompt, max_tokens=1, sampling=SamplingParams(0.0)))
     return c.stats.ttft_ms, c.stats.prefill_tok_s, c.stats.prompt_tokens
-
-
-def med(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -118,7 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engine = Engine(profile, model_dir, quantization=q)
         loaded_rss = rss_mib() - before
         interp = Engine(profile, model_dir, quantization=q, prefer_interpreter=True)
-        bare, eng, itp = [], [], []
+        bare, eng, greedy, itp = [], [], [], []
         ttft64, ttft448, pf64, pf448 = [], [], [], []
         p64, p448 = prompt_of(engine, 64), prompt_of(engine, 448)
         # warm-up (first runs pay one-off XNNPACK packing and page faults)
@@ -126,8 +114,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bare_decode_ms(engine.loaded.runner, 16, 4)
         for r in range(args.rounds):
             bare.append(bare_decode_ms(engine.loaded.runner, args.tokens, 4))
-            eng.append(engine_decode(engine, args.tokens, r)[0])
-            itp.append(engine_decode(interp, args.tokens, r)[0])
+            eng.append(engine_decode(engine, args.tokens, r))
+            greedy.append(engine_decode(engine, args.tokens, r, greedy=True))
+            itp.append(engine_decode(interp, args.tokens, r))
             t, p, _ = prefill(engine, p64)
             ttft64.append(t)
             pf64.append(p)
@@ -138,6 +127,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "file_mib": variant.size / 2**20,
             "bare_ms": med(bare),
             "engine_ms": med(eng),
+            "engine_greedy_ms": med(greedy),
+            "engine_greedy_overhead_pct": 100
+            * (statistics.median(greedy) / statistics.median(bare) - 1),
             "interpreter_ms": med(itp),
             "engine_overhead_pct": 100 * (statistics.median(eng) / statistics.median(bare) - 1),
             "ttft64_ms": med(ttft64),
@@ -150,7 +142,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         results["variants"][q] = row
         print(
-            f"{q:14} bare {row['bare_ms']['median']:.3f} ms/tok  engine "
+            f"{q:14} bare {row['bare_ms']['median']:.3f} ms/tok  greedy "
+            f"{row['engine_greedy_ms']['median']:.3f} "
+            f"({row['engine_greedy_overhead_pct']:+.1f}%)  top-k "
             f"{row['engine_ms']['median']:.3f} ({row['engine_overhead_pct']:+.1f}%)  interp "
             f"{row['interpreter_ms']['median']:.3f}  ttft64 {row['ttft64_ms']['median']:.1f} ms  "
             f"ttft448 {row['ttft448_ms']['median']:.1f} ms",
@@ -164,24 +158,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def table(res: dict[str, Any]) -> str:
     def f(d: dict[str, float], digits: int = 3) -> str:
-        return f"{d['median']:.{digits}f} ({d['min']:.{digits}f}–{d['max']:.{digits}f})"
+        return fmt(d, digits)
 
     lines = [
-        BEGIN,
         f"Measured {time.strftime('%Y-%m-%d')} on {res['machine']}, Python {res['python']}, "
         f"profile `{res['profile']}` ({res['threads']} threads), model {res['model']}; "
         f"median (min–max) of {res['rounds']} alternating rounds, {res['tokens']} decoded "
         "tokens each.",
         "",
-        "| variant | file MiB | bare loop ms/token | engine ms/token | engine overhead | "
-        "Interpreter path ms/token | TTFT 64 tok (ms) | TTFT 448 tok (ms) | "
-        "prefill 448 tok/s | memory plan MiB | RSS growth MiB |",
+        "| variant | file MiB | bare loop ms/token | engine greedy ms/token (overhead) | "
+        "engine top-k 40 ms/token (overhead) | Interpreter path ms/token | TTFT 64 tok (ms) | "
+        "TTFT 448 tok (ms) | prefill 448 tok/s | memory plan MiB | RSS growth MiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for q, r in res["variants"].items():
         lines.append(
-            f"| {q} | {r['file_mib']:.2f} | {f(r['bare_ms'])} | {f(r['engine_ms'])} | "
-            f"{r['engine_overhead_pct']:+.1f}% | {f(r['interpreter_ms'])} | "
+            f"| {q} | {r['file_mib']:.2f} | {f(r['bare_ms'])} | {f(r['engine_greedy_ms'])} "
+            f"({r['engine_greedy_overhead_pct']:+.1f}%) | {f(r['engine_ms'])} "
+            f"({r['engine_overhead_pct']:+.1f}%) | {f(r['interpreter_ms'])} | "
             f"{f(r['ttft64_ms'], 1)} | {f(r['ttft448_ms'], 1)} | "
             f"{r['prefill448_tok_s']['median']:.0f} | {r['memory_plan_mib']:.1f} | "
             f"{r['rss_growth_mib']:.1f} |"
@@ -189,23 +183,8 @@ def table(res: dict[str, Any]) -> str:
     lines += [
         "",
         f"Peak RSS of the benchmark process: {res['peak_rss_mib']:.0f} MiB.",
-        END,
     ]
     return "\n".join(lines)
-
-
-def write_docs(res: dict[str, Any]) -> None:
-    out = ROOT / "docs" / "bench"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "engine.json").write_text(json.dumps(res, indent=2) + "\n")
-    perf = ROOT / "docs" / "PERFORMANCE.md"
-    text = perf.read_text() if perf.exists() else ""
-    block = table(res)
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :]
-    else:
-        text += ("\n" if text else "") + block + "\n"
-    perf.write_text(text)
 
 
 def main() -> None:
@@ -218,7 +197,7 @@ def main() -> None:
     args = ap.parse_args()
     res = run(args)
     if not args.no_write:
-        write_docs(res)
+        write_section("engine", res, table(res))
         print("wrote docs/PERFORMANCE.md and docs/bench/engine.json")
 
 

@@ -38,10 +38,9 @@ from agent.engine.types import GenerateRequest  # noqa: E402
 from agent.modeldir import demo_model_dir  # noqa: E402
 from agent.profile import resolve_profile  # noqa: E402
 from agent.rpc.client import Client, build_request  # noqa: E402
+from scripts._report import fmt, med, write_section  # noqa: E402
 from tests.daemon_harness import Daemon  # noqa: E402
 
-BEGIN = "<!-- bench:daemon:begin -->"
-END = "<!-- bench:daemon:end -->"
 PROMPT = "import os\nimport sys\n\n\ndef main():\n"
 
 
@@ -120,10 +119,6 @@ def concurrent(sock: str, clients: int, tokens: int) -> dict[str, Any]:
     }
 
 
-def med(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     profile, _ = resolve_profile(args.profile)
     model_dir = Path(args.model) if args.model else demo_model_dir()
@@ -182,10 +177,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def table(r: dict[str, Any]) -> str:
     def f(d: dict[str, float], digits: int = 1) -> str:
-        return f"{d['median']:.{digits}f} ({d['min']:.{digits}f}–{d['max']:.{digits}f})"
+        return fmt(d, digits)
 
     lines = [
-        BEGIN,
         f"Measured {r['date']} on {r['machine']}, profile `{r['profile']}` ({r['threads']} "
         f"threads), demo model {r['quantization']}; client-side rates, median (min–max) of "
         f"{r['rounds']} alternating rounds of {r['tokens']} tokens. Command: "
@@ -214,23 +208,8 @@ def table(r: dict[str, Any]) -> str:
         f"{r['startup_to_ready_s']:.2f} s. Idle daemon: {r['idle_cpu_pct']:.2f}% CPU over 10 s, "
         f"RSS {r['idle_rss_mib']:.0f} MiB (after the benchmark: "
         f"{r['rss_after_load_mib']:.0f} MiB).",
-        END,
     ]
     return "\n".join(lines)
-
-
-def write_docs(r: dict[str, Any]) -> None:
-    out = ROOT / "docs" / "bench"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "daemon.json").write_text(json.dumps(r, indent=2) + "\n")
-    perf = ROOT / "docs" / "PERFORMANCE.md"
-    text = perf.read_text() if perf.exists() else ""
-    block = table(r)
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :]
-    else:
-        text += ("\n" if text else "") + block + "\n"
-    perf.write_text(text)
 
 
 def main() -> None:
@@ -246,7 +225,7 @@ def main() -> None:
     for c in r["concurrency"]:
         print(c["clients"], f"{c['aggregate_tok_s']:.0f} tok/s, jain {c['jain']:.3f}")
     if not args.no_write:
-        write_docs(r)
+        write_section("daemon", r, table(r))
         print("wrote docs/PERFORMANCE.md and docs/bench/daemon.json")
 
 

@@ -483,5 +483,19 @@ class Engine:
             )
 
 
+def estimate_memory(
+    profile: DeviceProfile, model_dir: Path, quantization: str | None = None
+) -> int:
+    """Bytes an engine for this model would plan for one session, without loading it."""
+    from agent.runtime.layout import discover_layout
+    from agent.runtime.modelfile import read_model_file
+
+    meta = load_model_dir(model_dir)
+    quant = quantization or choose_quantization(profile, [v.quantization for v in meta.variants])
+    model = read_model_file(meta.path_of(meta.variant(quant)))
+    layout = discover_layout(model, meta.context_length)
+    return litert.plan_memory(model, layout, profile).total
+
+
 def _empty_stats(p: _Prepared) -> RequestStats:
     return RequestStats(len(p.ids), 0, 0.0, 0.0, 0.0, 0.0, 0.0, "")

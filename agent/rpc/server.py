@@ -241,8 +241,12 @@ class AgentService:
         )
 
     async def GetStatus(self, request: Any, context: grpc.aio.ServicerContext) -> pb.AgentStatus:
-        _ = request
-        return status_message(self._backend.status())
+        try:
+            _check(request)
+            return status_message(self._backend.status())
+        except AgentError as exc:
+            await _abort(context, exc)
+            raise
 
 
 def _handlers(service: AgentService) -> grpc.GenericRpcHandler:

@@ -21,7 +21,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -133,11 +133,34 @@ def _mask(rows: int, first_pos: int, ctx: int, shape: tuple[int, ...]) -> npt.ND
     return m.reshape(shape)
 
 
-def _own(kv: KVCache, kind: type[_K]) -> _K:
-    """A KV handle is only valid with the runner that made it."""
-    if not isinstance(kv, kind):
-        raise TypeError(f"KV cache {type(kv).__name__} does not belong to this runner")
-    return kv
+class _RunnerBase(Generic[_K]):
+    """Prefill plans and decode on top of one `_run(signature, kv, tokens, pos)` per path."""
+
+    layout: ModelLayout
+    accelerator: str
+    _kv_type: type[_K]
+
+    def _run(self, sig: Signature, kv: _K, tokens: Sequence[int], pos: int) -> None:
+        raise NotImplementedError
+
+    def _logits(self) -> Logits:
+        raise NotImplementedError
+
+    def _own(self, kv: KVCache) -> _K:
+        """A KV handle is only valid with the runner that made it."""
+        if not isinstance(kv, self._kv_type):
+            raise TypeError(f"KV cache {type(kv).__name__} does not belong to this runner")
+        return kv
+
+    def prefill(self, kv: KVCache, tokens: Sequence[int], start: int) -> None:
+        own = self._own(kv)
+        for call in plan_prefill(self.layout, len(tokens), start):
+            chunk = tokens[call.offset : call.offset + call.count]
+            self._run(call.signature, own, chunk, start + call.offset)
+
+    def decode(self, kv: KVCache, token: int, pos: int) -> Logits:
+        self._run(self.layout.decode, self._own(kv), [token], pos)
+        return self._logits()
 
 
 # ----------------------------------------------------------------------------- CompiledModel
@@ -147,6 +170,8 @@ def _own(kv: KVCache, kind: type[_K]) -> _K:
 class _BoundKV:
     buffers: dict[str, Any]
     nbytes: int
+    # per signature: the (inputs, outputs) maps binding these buffers, built once
+    maps: dict[str, tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -158,8 +183,10 @@ class _SigIO:
     logits_size: int = 0
 
 
-class _CompiledRunner:
+class _CompiledRunner(_RunnerBase[_BoundKV]):
     """CompiledModel with runtime-created KV buffers bound in place."""
+
+    _kv_type = _BoundKV
 
     def __init__(
         self,
@@ -224,26 +251,24 @@ class _CompiledRunner:
         padded[0, : len(tokens)] = tokens
         io.tokens.write(padded)
         io.input_pos.write(np.arange(pos, pos + n, dtype=np.int32))
-        inputs = {"tokens": io.tokens, "input_pos": io.input_pos, **kv.buffers}
         if io.mask is not None:
             io.mask.write(_mask(n, pos, self.layout.context_length, sig.mask_shape))
-            inputs["mask"] = io.mask
-        outputs = dict(kv.buffers)
-        if io.logits is not None:
-            outputs["logits"] = io.logits
+        maps = kv.maps.get(sig.key)
+        if maps is None:
+            inputs = {"tokens": io.tokens, "input_pos": io.input_pos, **kv.buffers}
+            if io.mask is not None:
+                inputs["mask"] = io.mask
+            outputs = dict(kv.buffers)  # the same buffers: the update happens in place
+            if io.logits is not None:
+                outputs["logits"] = io.logits
+            maps = kv.maps[sig.key] = (inputs, outputs)
+        inputs, outputs = maps
         try:
             self._model.run_by_name(sig.key, inputs, outputs)
         except RuntimeError as exc:
             raise RuntimeFailure(f"{sig.key} failed: {exc}") from exc
 
-    def prefill(self, kv: KVCache, tokens: Sequence[int], start: int) -> None:
-        kv = _own(kv, _BoundKV)
-        for call in plan_prefill(self.layout, len(tokens), start):
-            chunk = tokens[call.offset : call.offset + call.count]
-            self._run(call.signature, kv, chunk, start + call.offset)
-
-    def decode(self, kv: KVCache, token: int, pos: int) -> Logits:
-        self._run(self.layout.decode, _own(kv, _BoundKV), [token], pos)
+    def _logits(self) -> Logits:
         io = self._io["decode"]
         assert io.logits is not None  # discover_layout checked that decode outputs logits
         out: Logits = io.logits.read(io.logits_size, np.float32)
@@ -266,8 +291,10 @@ class _HostKV:
     loaded: dict[str, int] = field(default_factory=dict)
 
 
-class _InterpreterRunner:
+class _InterpreterRunner(_RunnerBase[_HostKV]):
     """Classic Interpreter: views of the KV input tensors, copy back only the new rows."""
+
+    _kv_type = _HostKV
 
     def __init__(
         self,
@@ -354,14 +381,7 @@ class _InterpreterRunner:
         kv.loaded[key] = kv.version
         self._owner[key] = id(kv)
 
-    def prefill(self, kv: KVCache, tokens: Sequence[int], start: int) -> None:
-        kv = _own(kv, _HostKV)
-        for call in plan_prefill(self.layout, len(tokens), start):
-            chunk = tokens[call.offset : call.offset + call.count]
-            self._run(call.signature, kv, chunk, start + call.offset)
-
-    def decode(self, kv: KVCache, token: int, pos: int) -> Logits:
-        self._run(self.layout.decode, _own(kv, _HostKV), [token], pos)
+    def _logits(self) -> Logits:
         logits: Logits = self._view("decode", self._out["decode"]["logits"]).reshape(-1).copy()
         return logits
 

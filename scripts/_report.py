@@ -1,0 +1,40 @@
+"""Shared by the benchmarks: medians with ranges, and writing results into docs/."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def med(xs: list[float]) -> dict[str, float]:
+    """Median, min and max of a list of measurements."""
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def fmt(d: dict[str, float], digits: int = 3) -> str:
+    """`median (min–max)` of a `med` result."""
+    return f"{d['median']:.{digits}f} ({d['min']:.{digits}f}–{d['max']:.{digits}f})"
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
+
+
+def write_section(name: str, data: dict[str, Any], body: str) -> None:
+    """Write docs/bench/<name>.json and replace (or append) the section in PERFORMANCE.md."""
+    out = ROOT / "docs" / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+    begin, end = markers(name)
+    block = f"{begin}\n{body}\n{end}"
+    perf = ROOT / "docs" / "PERFORMANCE.md"
+    text = perf.read_text() if perf.exists() else "# Performance\n"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    perf.write_text(text)
