@@ -281,6 +281,27 @@ def _client_unary(args: argparse.Namespace, call: str) -> int:
     return 0
 
 
+def cmd_client_session(args: argparse.Namespace) -> int:
+    import grpc
+
+    client = _client(args)
+    try:
+        if args.action == "create":
+            sid = client.create_session()
+            print(json.dumps({"id": sid}) if args.json else sid)
+        else:
+            if not args.id:
+                print("edge-agent: session delete needs an id", file=sys.stderr)
+                return EXIT_USAGE
+            client.delete_session(args.id)
+    except grpc.RpcError as exc:
+        print(f"edge-agent: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return EXIT_USAGE
+    finally:
+        client.close()
+    return 0
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--temperature", type=float)
@@ -373,6 +394,13 @@ def build_parser() -> argparse.ArgumentParser:
         client_common(p)
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=lambda a, call=call: _client_unary(a, call))
+
+    p = csub.add_parser("session", help="create or delete a conversation session")
+    p.add_argument("action", choices=("create", "delete"))
+    p.add_argument("id", nargs="?", help="session id (for delete)")
+    client_common(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_client_session)
 
     from agent.units import register_cli
 

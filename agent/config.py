@@ -25,6 +25,7 @@ LOG_TARGETS = ("auto", "journald", "stderr")
 TOP = ("server", "limits", "model", "log", "watchdog")
 SERVER = ("socket", "socket_mode", "socket_group", "tcp", "allow_remote_tcp", "max_message_bytes")
 LIMITS = (
+    "max_sessions",
     "max_active",
     "queue_capacity",
     "max_pending_events",
@@ -53,6 +54,7 @@ class LimitsConfig:
     max_pending_events: int = 64
     drain_timeout_s: float = 20.0
     max_tokens: int = 4096  # upper bound on any request's max_tokens
+    max_sessions: int = 8  # conversations kept resident (least recently used closed beyond)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +142,7 @@ def parse_config(data: Mapping[str, object], source: str) -> AgentConfig:
             if "drain_timeout_s" in lt.raw
             else d.limits.drain_timeout_s,
             max_tokens=lt.integer("max_tokens", 1, 1 << 20, d.limits.max_tokens),
+            max_sessions=lt.integer("max_sessions", 0, 4096, d.limits.max_sessions),
         )
     m = top.table("model", MODEL, required=False)
     model = d.model

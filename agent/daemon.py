@@ -85,7 +85,7 @@ def _plan(config: AgentConfig, overrides: Overrides) -> _Plan:
         profile,
         model_dir,
         config.model.quantization,
-        EngineLimits(lim.max_active, lim.queue_capacity, lim.max_pending_events),
+        EngineLimits(lim.max_active, lim.queue_capacity, lim.max_pending_events, lim.max_sessions),
     )
 
 
@@ -128,7 +128,7 @@ class Daemon:
             budget_bytes=e.memory.budget,
             planned_bytes=e.memory.total,
             model=f"{e.info.name} {e.info.version} {e.info.quantization}",
-            active_sessions=0,
+            active_sessions=e.session_count(),
             engine=e.stats(),
         )
 

@@ -69,6 +69,10 @@ class NotFound(AgentError):
     """A named thing (a session) does not exist."""
 
 
+class SessionBusy(AgentError):
+    """A session already has a request running; one turn at a time."""
+
+
 class Unavailable(AgentError):
     """The agent cannot take requests right now (loading, swapping a model, stopping)."""
 
@@ -80,6 +84,7 @@ GRPC_STATUS: dict[type[AgentError], str] = {
     ContextOverflow: "RESOURCE_EXHAUSTED",
     Overloaded: "RESOURCE_EXHAUSTED",
     NotFound: "NOT_FOUND",
+    SessionBusy: "FAILED_PRECONDITION",
     Unavailable: "UNAVAILABLE",
     ConfigError: "FAILED_PRECONDITION",
     ModelFormatError: "FAILED_PRECONDITION",

@@ -334,3 +334,20 @@ def test_client_cli_through_the_socket(daemon: Daemon) -> None:
     assert health.returncode == 0 and "SERVING" in health.stdout
     bad = cli("generate", "", "--max-tokens", "5")
     assert bad.returncode == 2 and "INVALID_ARGUMENT: prompt is empty" in bad.stderr
+
+
+def test_sessions_over_grpc(daemon: Daemon) -> None:
+    c = daemon.client()
+    sid = c.create_session()
+    one = c.generate(req("def f(x):", n=4, session=sid))
+    two = c.generate(req("\n", n=4, session=sid))
+    assert one.finish_reason in ("length", "stop") and two.finish_reason in ("length", "stop")
+    assert int(two.stats["prompt_tokens"]) <= 2  # the turn only, not the history
+    assert int(c.status()["active_sessions"]) >= 1
+    c.delete_session(sid)
+    with pytest.raises(grpc.RpcError) as err:
+        c.delete_session(sid)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as err:
+        list(c.stream(req(session=sid)))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND

@@ -13,7 +13,7 @@ from agent.engine.engine import Engine
 from agent.engine.generation import StopMatcher
 from agent.engine.sampler import SamplingParams
 from agent.engine.types import GenerateRequest
-from agent.errors import ContextOverflow, InvalidRequest, ModelFormatError
+from agent.errors import ContextOverflow, InvalidRequest, ModelFormatError, NotFound, SessionBusy
 
 PROMPT = "def main():\n    return 1\n"
 
@@ -207,3 +207,86 @@ def test_stop_matcher_is_independent_of_how_text_is_split(text, cuts) -> None:
         whole = text
     assert "".join(out) == whole
     assert stopped == stopped_whole
+
+
+# ----------------------------------------------------------------------------- sessions
+
+
+def _greedy_continue(engine: Engine, tokens: list[int], n: int) -> list[int]:
+    """Reference: decode the whole conversation token by token on a fresh cache."""
+    runner = engine.loaded.runner
+    kv = runner.new_kv()
+    for pos, t in enumerate(tokens[:-1]):
+        runner.decode(kv, t, pos)
+    token, pos, out = tokens[-1], len(tokens) - 1, []
+    while len(out) < n:
+        token = int(np.argmax(runner.decode(kv, token, pos)))
+        pos += 1
+        if token in engine._stop_ids:
+            break
+        out.append(token)
+    return out
+
+
+def test_a_session_turn_continues_exactly_as_a_full_reprefill(engine: Engine) -> None:
+    greedy = SamplingParams(temperature=0.0)
+    sid = engine.create_session()
+    first = engine.complete(req(prompt="def f(x):", sampling=greedy, max_tokens=6, session_id=sid))
+    second = engine.complete(req(prompt="\n\nclass", sampling=greedy, max_tokens=6, session_id=sid))
+    history = engine.session_tokens(sid)
+    turn1 = [engine.meta.bos_id, *engine.tokenizer.encode("def f(x):")]
+    assert history[: len(turn1)] == turn1
+    assert list(first.token_ids) == _greedy_continue(engine, turn1, 6)
+    before_second = [*turn1, *first.token_ids, *engine.tokenizer.encode("\n\nclass")]
+    assert list(second.token_ids) == _greedy_continue(engine, before_second, 6)
+    assert history == [*before_second, *second.token_ids]
+    # only the new turn went through prefill: its prompt count is the turn, not the history
+    assert second.stats.prompt_tokens == len(before_second) - len(turn1) - len(first.token_ids) + 1
+    engine.delete_session(sid)
+    with pytest.raises(NotFound):
+        engine.complete(req(session_id=sid))
+
+
+def test_interleaved_sessions_match_sessions_run_alone(engine: Engine) -> None:
+    sampling = SamplingParams(temperature=0.9, top_k=50, seed=3)
+
+    def turns(sid: str) -> list[tuple[int, ...]]:
+        return [
+            engine.complete(
+                req(prompt=p, sampling=sampling, max_tokens=5, session_id=sid)
+            ).token_ids
+            for p in ("x = 1\n", "y = 2\n")
+        ]
+
+    alone = turns(engine.create_session())
+    a, b = engine.create_session(), engine.create_session()
+    got_a, got_b = [], []
+    for p in ("x = 1\n", "y = 2\n"):
+        got_a.append(
+            engine.complete(req(prompt=p, sampling=sampling, max_tokens=5, session_id=a)).token_ids
+        )
+        got_b.append(
+            engine.complete(req(prompt=p, sampling=sampling, max_tokens=5, session_id=b)).token_ids
+        )
+    assert got_a == alone and got_b == alone
+
+
+def test_session_busy_and_context_overflow(engine: Engine) -> None:
+    sid = engine.create_session()
+    held = engine.submit(req(max_tokens=100, session_id=sid), lambda e: None)
+    with pytest.raises(SessionBusy):
+        engine.submit(req(session_id=sid), lambda e: None)
+    held.cancel()
+    assert held.done.wait(10)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            engine.complete(req(prompt="x", max_tokens=1, session_id=sid))
+            break
+        except SessionBusy:
+            time.sleep(0.01)
+    long = "a b c d e f g h " * 20
+    with pytest.raises(ContextOverflow, match="context holds 128"):
+        for _ in range(10):
+            engine.complete(req(prompt=long, max_tokens=1, session_id=sid))
+    engine.delete_session(sid)

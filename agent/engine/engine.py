@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +29,9 @@ from agent.errors import (
     ContextOverflow,
     InvalidRequest,
     ModelFormatError,
+    NotFound,
+    Overloaded,
+    SessionBusy,
     Unavailable,
 )
 from agent.modeldir import ModelMeta, Variant, load_model_dir, sha256_file
@@ -68,6 +72,19 @@ class EngineLimits:
     max_active: int = 4  # requests holding a KV slot at once (also bounded by the budget)
     queue_capacity: int = 16  # requests waiting for a slot
     max_pending_events: int = 64  # events a slow consumer may leave unread before a pause
+    max_sessions: int = 8  # conversations whose KV stays resident between turns
+
+
+@dataclass(slots=True)
+class _Session:
+    """A conversation: its tokens and the KV cache that holds them (resident, in place)."""
+
+    id: str
+    kv: litert.KVCache
+    tokens: list[int]  # the whole conversation so far
+    kv_len: int = 0  # tokens[:kv_len] are in the cache; the rest is fed on the next turn
+    busy: bool = False
+    last_used: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +158,8 @@ class _Prepared:
     sampling: SamplingParams
     stop: tuple[str, ...]
     deadline: float | None
+    session: _Session | None = None
+    new_ids: list[int] | None = None  # the turn's own tokens (sessions)
     generation: Generation | None = None
     kv: litert.KVCache | None = None
 
@@ -186,15 +205,17 @@ class Engine:
                 f"{self.tokenizer.vocab_size}"
             )
         plan = self.loaded.memory
-        # KV slots: as many as the limit asks for and the budget holds beyond one session.
-        spare = plan.budget - plan.total
-        max_active = max(1, min(self.limits.max_active, 1 + spare // plan.kv_per_session))
+        # KV slots for running requests and for resident sessions: as many as the limits ask
+        # for and the budget holds beyond the one session the load already counted.
+        spare_slots = 1 + (plan.budget - plan.total) // plan.kv_per_session
+        max_active = max(1, min(self.limits.max_active, spare_slots))
+        self.max_sessions = max(0, min(self.limits.max_sessions, spare_slots - max_active))
         self.memory = litert.MemoryPlan(
             plan.weights,
             plan.packed_weights,
             plan.activations,
             plan.kv_per_session,
-            max_active,
+            max_active + self.max_sessions,
             plan.budget,
         )
         self.info = ModelInfo(
@@ -215,6 +236,7 @@ class Engine:
         self._stop_ids = frozenset((self.meta.eos_id, *self.meta.stop_token_ids))
         self._sched: Scheduler[_Prepared] = Scheduler(max_active, self.limits.queue_capacity)
         self._free_kv: list[litert.KVCache] = []
+        self._sessions: dict[str, _Session] = {}
         self._kv_made = 0
         self._cv = threading.Condition()
         self._ids = itertools.count(1)
@@ -259,9 +281,84 @@ class Engine:
         for s in request.stop:
             if not s:
                 raise InvalidRequest("stop sequences must not be empty")
-        ids = self.encode_prompt(request)
         deadline = None if timeout is None else time.monotonic() + timeout
-        return _Prepared(handle, ids, max_tokens, sampling, request.stop, deadline)
+        if request.session_id is None:
+            ids = self.encode_prompt(request)
+            return _Prepared(handle, ids, max_tokens, sampling, request.stop, deadline)
+        return self._prepare_turn(request, handle, max_tokens, sampling, deadline)
+
+    def _prepare_turn(
+        self,
+        request: GenerateRequest,
+        handle: RequestHandle,
+        max_tokens: int,
+        sampling: SamplingParams,
+        deadline: float | None,
+    ) -> _Prepared:
+        """A turn of a session: feed only what the cache does not hold yet."""
+        if not request.prompt:
+            raise InvalidRequest("prompt is empty")
+        new = self.tokenizer.encode(request.prompt)
+        with self._cv:
+            session = self._sessions.get(request.session_id or "")
+            if session is None:
+                raise NotFound(f"unknown session {request.session_id!r}")
+            if session.busy:
+                raise SessionBusy(f"session {session.id} already has a request running")
+            if request.add_bos and not session.tokens:
+                new = [self.meta.bos_id, *new]
+            total = len(session.tokens) + len(new)
+            if total >= self.info.context_length:
+                raise ContextOverflow(total, self.info.context_length)
+            feed = session.tokens[session.kv_len :] + new
+            session.busy = True
+        p = _Prepared(handle, feed, max_tokens, sampling, request.stop, deadline, session, new)
+        return p
+
+    # ------------------------------------------------------------------ sessions
+
+    def create_session(self) -> str:
+        """A new, empty conversation whose KV stays resident between turns.
+
+        When `max_sessions` are open, the least recently used idle one is closed to make room
+        (the sessions issue spills it to host memory and disk instead)."""
+        with self._cv:
+            if len(self._sessions) >= self.max_sessions:
+                idle = [s for s in self._sessions.values() if not s.busy]
+                if not idle or self.max_sessions == 0:
+                    raise Overloaded(f"all {self.max_sessions} sessions are busy; try again later")
+                victim = min(idle, key=lambda s: s.last_used)
+                self._close_session(victim)
+                log.info("session %s closed to make room (least recently used)", victim.id)
+            sid = uuid.uuid4().hex[:16]
+            self._sessions[sid] = _Session(sid, self._take_kv(), [], last_used=time.monotonic())
+        log.info("session %s created", sid, extra={"session_id": sid})
+        return sid
+
+    def delete_session(self, session_id: str) -> None:
+        with self._cv:
+            session = self._sessions.get(session_id)
+            if session is None:
+                raise NotFound(f"unknown session {session_id!r}")
+            if session.busy:
+                raise SessionBusy(f"session {session_id} has a request running")
+            self._close_session(session)
+        log.info("session %s deleted", session_id, extra={"session_id": session_id})
+
+    def session_tokens(self, session_id: str) -> list[int]:
+        with self._cv:
+            session = self._sessions.get(session_id)
+            if session is None:
+                raise NotFound(f"unknown session {session_id!r}")
+            return list(session.tokens)
+
+    def session_count(self) -> int:
+        with self._cv:
+            return len(self._sessions)
+
+    def _close_session(self, session: _Session) -> None:
+        del self._sessions[session.id]
+        self._free_kv.append(session.kv)
 
     # ------------------------------------------------------------------ public API
 
@@ -276,13 +373,16 @@ class Engine:
         handle = RequestHandle(f"r{next(self._ids)}", sink, self.limits.max_pending_events)
         prepared = self._prepare(request, handle, timeout)
         with self._cv:
-            if self._stopping:
-                raise Unavailable("the engine is stopping")
             try:
+                if self._stopping:
+                    raise Unavailable("the engine is stopping")
                 self._sched.submit(prepared)
-            except AgentError:
-                self._totals["rejected"] += 1
-                log.warning("request refused: queue full (%d waiting)", len(self._sched.waiting))
+            except AgentError as exc:
+                if prepared.session is not None:
+                    prepared.session.busy = False
+                if isinstance(exc, Overloaded):
+                    self._totals["rejected"] += 1
+                    log.warning("request refused: %s", exc)
                 raise
             self._cv.notify()
         return handle
@@ -396,15 +496,17 @@ class Engine:
     def _admit(self) -> None:
         for p in self._sched.drop_waiting(lambda p: not p.handle.cancel_event.is_set()):
             self._totals["cancelled"] += 1
+            if p.session is not None:
+                p.session.busy = False
             p.handle.emit(TokenEvent("", finish_reason="cancelled", stats=_empty_stats(p)))
         for p in self._sched.admit():
-            p.kv = self._take_kv()
+            p.kv = p.session.kv if p.session is not None else self._take_kv()
             p.generation = Generation(
                 self.loaded.runner,
                 p.kv,
                 self.tokenizer.stream(),
                 p.ids,
-                start_pos=0,
+                start_pos=p.session.kv_len if p.session is not None else 0,
                 max_tokens=p.max_tokens,
                 sampler=Sampler(p.sampling),
                 stop=p.stop,
@@ -457,7 +559,15 @@ class Engine:
         stats = last.stats
         with self._cv:
             self._sched.finish(p)
-            if p.kv is not None:
+            session = p.session
+            if session is not None:
+                gen = p.generation
+                assert gen is not None and p.new_ids is not None
+                session.tokens += p.new_ids + gen.generated
+                session.kv_len = gen.kv_rows
+                session.busy = False
+                session.last_used = time.monotonic()
+            elif p.kv is not None:
                 self._free_kv.append(p.kv)
             self._totals["total"] += 1
             if last.finish_reason == "error":

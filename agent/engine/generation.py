@@ -87,6 +87,11 @@ class Generation:
         self._context = runner.layout.context_length
 
     @property
+    def kv_rows(self) -> int:
+        """Cache rows holding this conversation so far (the next row to write)."""
+        return self._pos
+
+    @property
     def prefilling(self) -> bool:
         return self._prefilled < len(self._prompt) - 1
 

@@ -18,6 +18,7 @@ class GenerateRequest:
     sampling: SamplingParams | None = None
     stop: tuple[str, ...] = ()
     add_bos: bool = True
+    session_id: str | None = None  # continue this session's conversation
 
 
 @dataclass(frozen=True, slots=True)

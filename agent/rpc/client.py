@@ -83,6 +83,12 @@ class Client:
             )
         )
 
+    def create_session(self) -> str:
+        return str(self.stub.CreateSession(pb.CreateSessionRequest(), timeout=self.timeout).id)
+
+    def delete_session(self, session_id: str) -> None:
+        self.stub.DeleteSession(pb.DeleteSessionRequest(id=session_id), timeout=self.timeout)
+
     def health(self, service: str = "") -> str:
         stub = health_pb2_grpc.HealthStub(self.channel)
         r = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout)

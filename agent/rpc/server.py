@@ -28,7 +28,7 @@ from agent.engine.chat import ChatMessage, render_chat
 from agent.engine.engine import Engine
 from agent.engine.sampler import SamplingParams
 from agent.engine.types import GenerateRequest, TokenEvent
-from agent.errors import AgentError, InvalidRequest, NotFound, grpc_status_name
+from agent.errors import AgentError, InvalidRequest, grpc_status_name
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from agent.status import AgentStatus
 
@@ -82,8 +82,6 @@ def _check(request: Any) -> None:
 
 def to_request(msg: pb.GenerateRequest, engine: Engine, max_tokens_limit: int) -> GenerateRequest:
     """Wire → domain, with every field checked."""
-    if msg.session_id:
-        raise NotFound(f"unknown session {msg.session_id!r}")
     which = msg.WhichOneof("input")
     if which == "chat":
         messages = [ChatMessage(m.role, m.content) for m in msg.chat.messages]
@@ -105,7 +103,13 @@ def to_request(msg: pb.GenerateRequest, engine: Engine, max_tokens_limit: int) -
         raise InvalidRequest(
             f"max_tokens = {max_tokens} is above this agent's limit {max_tokens_limit}"
         )
-    return GenerateRequest(prompt, max_tokens=max_tokens, sampling=sampling, stop=tuple(msg.stop))
+    return GenerateRequest(
+        prompt,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=tuple(msg.stop),
+        session_id=msg.session_id or None,
+    )
 
 
 def to_response(event: TokenEvent, request_id: str) -> pb.GenerateResponse:
@@ -240,6 +244,26 @@ class AgentService:
             fallbacks=list(i.fallbacks),
         )
 
+    async def CreateSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.Session:
+        try:
+            _check(request)
+            sid = self._backend.engine().create_session()
+        except AgentError as exc:
+            await _abort(context, exc)
+            raise
+        return pb.Session(id=sid)
+
+    async def DeleteSession(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteSessionResponse:
+        try:
+            _check(request)
+            self._backend.engine().delete_session(request.id)
+        except AgentError as exc:
+            await _abort(context, exc)
+            raise
+        return pb.DeleteSessionResponse()
+
     async def GetStatus(self, request: Any, context: grpc.aio.ServicerContext) -> pb.AgentStatus:
         try:
             _check(request)
@@ -270,6 +294,14 @@ def _handlers(service: AgentService) -> grpc.GenericRpcHandler:
         ),
         "GetStatus": grpc.unary_unary_rpc_method_handler(
             service.GetStatus, _lenient(pb.GetStatusRequest), pb.AgentStatus.SerializeToString
+        ),
+        "CreateSession": grpc.unary_unary_rpc_method_handler(
+            service.CreateSession, _lenient(pb.CreateSessionRequest), pb.Session.SerializeToString
+        ),
+        "DeleteSession": grpc.unary_unary_rpc_method_handler(
+            service.DeleteSession,
+            _lenient(pb.DeleteSessionRequest),
+            pb.DeleteSessionResponse.SerializeToString,
         ),
     }
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
