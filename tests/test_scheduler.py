@@ -166,3 +166,25 @@ def test_stop_drains_then_refuses(engine_factory) -> None:
     assert h.done.is_set() and got[-1].finish_reason == "length"
     with pytest.raises(Unavailable):
         engine.submit(_req(), got.append)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "preallocate", "expected"),
+    [("kSameAsRequested", False, 3), ("kNextPowerOfTwo", False, 4), ("kSameAsRequested", True, 12)],
+)
+def test_kv_pool_grows_as_the_profile_says(engine_factory, strategy, preallocate, expected) -> None:
+    engine = engine_factory(
+        EngineLimits(max_active=4, max_pending_events=1, max_sessions=8),
+        runtime={"arena_extend_strategy": strategy},
+        kv={"preallocate": preallocate},
+    )
+    assert engine.kv_pool_size() == (12 if preallocate else 0)
+    held = [engine.submit(_req(n=100, seed=i), lambda e: None) for i in range(3)]
+    deadline = time.monotonic() + 10
+    while engine.stats().active < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.kv_pool_size() == expected
+    for h in held:
+        h.cancel()
+    for h in held:
+        assert h.done.wait(10)

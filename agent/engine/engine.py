@@ -247,6 +247,8 @@ class Engine:
         self._totals = {"total": 0, "failed": 0, "rejected": 0, "cancelled": 0, "tokens": 0}
         self._ttft: deque[float] = deque(maxlen=WINDOW)
         self._decode: deque[float] = deque(maxlen=WINDOW)
+        if profile.kv.preallocate:
+            self._grow_kv(self.memory.sessions)
         self._thread = threading.Thread(target=self._loop, name="edge-agent-engine", daemon=True)
         self._thread.start()
 
@@ -488,10 +490,31 @@ class Engine:
     # ------------------------------------------------------------------ engine thread
 
     def _take_kv(self) -> litert.KVCache:
-        if self._free_kv:
-            return self._free_kv.pop()
-        self._kv_made += 1
-        return self.loaded.runner.new_kv()
+        """A KV cache from the pool, growing it as the profile's arena_extend_strategy says:
+        kNextPowerOfTwo doubles the pool (fewer, larger growth steps), kSameAsRequested adds
+        exactly one. Never beyond the slots the memory plan counted."""
+        if not self._free_kv:
+            cap = self.memory.sessions
+            if self._kv_made >= cap:
+                raise Overloaded(f"all {cap} KV caches are in use")
+            doubling = self.profile.runtime.arena_extend_strategy == "kNextPowerOfTwo"
+            self._grow_kv(min(max(1, self._kv_made) if doubling else 1, cap - self._kv_made))
+        return self._free_kv.pop()
+
+    def _grow_kv(self, count: int) -> None:
+        self._free_kv.extend(self.loaded.runner.new_kv() for _ in range(count))
+        self._kv_made += count
+        log.info(
+            "KV pool grown by %d to %d caches (%.1f MiB)",
+            count,
+            self._kv_made,
+            self._kv_made * self.memory.kv_per_session / 2**20,
+        )
+
+    def kv_pool_size(self) -> int:
+        """KV caches allocated so far (free and in use)."""
+        with self._cv:
+            return self._kv_made
 
     def _admit(self) -> None:
         for p in self._sched.drop_waiting(lambda p: not p.handle.cancel_event.is_set()):
