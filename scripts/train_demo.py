@@ -26,6 +26,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -36,7 +37,9 @@ from agent.toolchain.config import DEMO_SPEC  # noqa: E402
 
 STAGES = ("data", "train", "export", "eval", "commit")
 VARIANTS = ("fp32", "int8", "int4_block32", "int4_block64", "mixed")
-COMMIT_VARIANTS = ("int8", "int4_block32", "int4_block64", "mixed")
+# "mixed" (~10 MB) is measured but not shipped: no shipped profile has the > 4 GiB budget that
+# picks it, and the repository stays lean.
+COMMIT_VARIANTS = ("int8", "int4_block32", "int4_block64")
 #: Committed files must stay small: int8 at most ~8 MB, the others under ~10 MB.
 SIZE_LIMITS = {"int8": 8.5e6, "int4_block32": 10e6, "int4_block64": 10e6, "mixed": 10e6}
 
@@ -67,12 +70,12 @@ class Log:
             self.f.flush()
 
 
-def stage_data(work: Path, args, log: Log) -> None:
+def stage_data(work: Path, args: argparse.Namespace, log: Log) -> None:
     import numpy as np
 
     files = corpus.list_files(args.stdlib)
     train_files, held_files = corpus.split(files)
-    desc = corpus.describe(args.stdlib)
+    desc: dict[str, Any] = corpus.describe(args.stdlib)
     log(
         f"corpus: {desc['files']} files under {desc['root']} (Python {desc['python']}); "
         f"train {desc['train_files']} files / {desc['train_bytes']:,} bytes, held out "
@@ -102,7 +105,7 @@ def stage_data(work: Path, args, log: Log) -> None:
     log("tokenizer round-trips held-out text")
 
 
-def stage_train(work: Path, args, log: Log) -> None:
+def stage_train(work: Path, args: argparse.Namespace, log: Log) -> None:
     import numpy as np
 
     from agent.toolchain.train import TrainConfig, train
@@ -126,7 +129,7 @@ def stage_train(work: Path, args, log: Log) -> None:
     )
 
 
-def stage_export(work: Path, args, log: Log) -> None:
+def stage_export(work: Path, args: argparse.Namespace, log: Log) -> None:
     from agent.toolchain.export import ExportOptions, export_variants
     from agent.toolchain.train import load_checkpoint
 
@@ -149,7 +152,7 @@ def stage_export(work: Path, args, log: Log) -> None:
     (work / "variants" / "sizes.json").write_text(json.dumps(sizes, indent=2) + "\n")
 
 
-def stage_eval(work: Path, args, log: Log) -> None:
+def stage_eval(work: Path, args: argparse.Namespace, log: Log) -> None:
     import numpy as np
 
     from agent.toolchain.perplexity import (
@@ -170,7 +173,7 @@ def stage_eval(work: Path, args, log: Log) -> None:
         f"fp32 tflite vs torch: max |logit diff| {check['max_abs_diff']:.2e}, torch ppl "
         f"{check['torch_ppl']:.4f}, tflite ppl {check['tflite_ppl']:.4f}"
     )
-    results = {
+    results: dict[str, Any] = {
         "windows": len(windows),
         "predicted_tokens": n_pred,
         "torch_check": check,
@@ -211,7 +214,7 @@ def stage_eval(work: Path, args, log: Log) -> None:
     )
 
 
-def stage_commit(work: Path, args, log: Log) -> None:
+def stage_commit(work: Path, args: argparse.Namespace, log: Log) -> None:
     import shutil
 
     from agent.modeldir import load_model_dir, write_model_dir_metadata

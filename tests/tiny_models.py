@@ -1,0 +1,239 @@
+"""Session-scoped fixtures that build tiny, real LiteRT decoders with the toolchain.
+
+Import these names from ``tests/conftest.py`` (``from tests.tiny_models import *`` or by name).
+
+* ``tiny_model_factory``: a `TinyModelFactory`; ``tiny_model_factory(layout=..., prefill_lens=...,
+  kv_max=..., mask_as_input=..., quantization=..., seed=...)`` returns the path of a
+  ``.tflite`` with ``prefill_<N>`` + ``decode`` signatures and externalized KV
+  (``kv_cache_k_<i>``/``kv_cache_v_<i>``). ``tiny_model_factory.model_dir(...)`` returns a
+  model directory (variants + SentencePiece tokenizer + metadata.json).
+* ``tiny_tokenizer``: path of a real SentencePiece model (vocab 256, ids pad 0, bos 1, eos 2,
+  unk 3, ``\\n`` is a piece) trained on a few KB of text.
+* ``tiny_model``: the default tiny model (transposed KV, prefill 8, kv_max 64, fp32).
+* ``tiny_model_dir``: a model directory: transposed KV, prefill [8, 32], kv_max 128,
+  variants fp32 + int8, context_length 128.
+
+The tiny decoder is `agent.toolchain.config.TINY_SPEC`: 2 layers, dim 128, 4 heads of 32,
+1 KV head, gated FFN 256, vocab 256, random weights (deterministic per seed).
+
+Cost: a conversion takes ~8 s per signature on 2 cores (one prefill + decode ≈ 17 s);
+quantized variants are derived from the cached float file in < 1 s. Every distinct set of
+conversion options is converted once per session. Set ``EDGE_AGENT_TINY_CACHE=<dir>`` to keep
+the files across sessions (keyed by the options and a hash of the toolchain source).
+
+All fixtures skip the test when the toolchain extra (torch, litert-torch) is not installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+TINY_VOCAB = 256
+TINY_MODEL_NAME = "tiny-test"
+TINY_CHAT_TEMPLATE = "{system}\n{user}\n"
+
+
+def _toolchain_fingerprint() -> str:
+    root = Path(__file__).resolve().parent.parent / "agent" / "toolchain"
+    h = hashlib.sha256()
+    for name in ("config.py", "export.py", "quantize.py", "tokenizer.py"):
+        p = root / name
+        if p.exists():
+            h.update(p.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _require_toolchain() -> None:
+    pytest.importorskip("torch", reason="needs the toolchain extra (torch)")
+    pytest.importorskip("litert_torch", reason="needs the toolchain extra (litert-torch)")
+    pytest.importorskip("sentencepiece")
+
+
+class TinyModelFactory:
+    """Builds and caches tiny `.tflite` decoders and model directories under `root`."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._tokenizer: Path | None = None
+
+    # -- single files -------------------------------------------------------------------
+    def __call__(
+        self,
+        *,
+        layout: str = "transposed",
+        prefill_lens: Sequence[int] = (8,),
+        kv_max: int = 64,
+        mask_as_input: bool = False,
+        quantization: str = "fp32",
+        seed: int = 0,
+        enable_hlfb: bool = True,
+    ) -> Path:
+        from agent.toolchain.config import TINY_SPEC
+        from agent.toolchain.export import ExportOptions, export_tiny
+        from agent.toolchain.quantize import quantize_file
+
+        opts = ExportOptions(
+            layout=layout,
+            prefill_lens=tuple(prefill_lens),
+            kv_max=kv_max,
+            mask_as_input=mask_as_input,
+            enable_hlfb=enable_hlfb,
+        )
+        stem = f"tiny_{opts.tag()}_s{seed}"
+        target = self.root / f"{stem}_{quantization}.tflite"
+        with self._lock:
+            if target.exists():
+                return target
+            fp32 = self.root / f"{stem}_fp32.tflite"
+            if not fp32.exists():
+                made = export_tiny(
+                    self.root,
+                    layout=layout,
+                    prefill_lens=opts.prefill_lens,
+                    kv_max=kv_max,
+                    mask_as_input=mask_as_input,
+                    quantization="fp32",
+                    seed=seed,
+                    enable_hlfb=enable_hlfb,
+                )
+                assert made == fp32, (made, fp32)
+            if quantization != "fp32":
+                quantize_file(fp32, target, quantization, TINY_SPEC)
+            return target
+
+    # -- tokenizer ------------------------------------------------------------------------
+    def tokenizer(self) -> Path:
+        from agent.toolchain import tokenizer as tk
+
+        with self._lock:
+            if self._tokenizer is None or not self._tokenizer.exists():
+                path = self.root / "tiny_tokenizer.model"
+                if not path.exists():
+                    tk.train_tokenizer(
+                        [tk.TINY_TEXT * 3],
+                        path,
+                        vocab_size=TINY_VOCAB,
+                        byte_fallback=False,
+                        tiny=True,
+                    )
+                self._tokenizer = path
+            return self._tokenizer
+
+    # -- model directories ----------------------------------------------------------------
+    def model_dir(
+        self,
+        *,
+        quantizations: Sequence[str] = ("fp32", "int8"),
+        layout: str = "transposed",
+        prefill_lens: Sequence[int] = (8, 32),
+        kv_max: int = 128,
+        mask_as_input: bool = False,
+        seed: int = 0,
+        name: str = TINY_MODEL_NAME,
+        version: str = "0.0.1",
+    ) -> Path:
+        """A model directory (``model_<quant>.tflite`` files, tokenizer, metadata.json).
+
+        A fresh directory per distinct argument set; treat it as read-only (copy it with
+        `shutil.copytree` to modify it).
+        """
+        from agent.modeldir import write_model_dir_metadata
+        from agent.toolchain.tokenizer import BOS_ID, EOS_ID
+
+        key = hashlib.sha256(
+            repr(
+                (
+                    tuple(quantizations),
+                    layout,
+                    tuple(prefill_lens),
+                    kv_max,
+                    mask_as_input,
+                    seed,
+                    name,
+                    version,
+                )
+            ).encode()
+        ).hexdigest()[:10]
+        d = self.root / f"dir_{key}"
+        if (d / "metadata.json").exists():
+            return d
+        files = []
+        for q in quantizations:
+            src = self(
+                layout=layout,
+                prefill_lens=prefill_lens,
+                kv_max=kv_max,
+                mask_as_input=mask_as_input,
+                quantization=q,
+                seed=seed,
+            )
+            files.append((f"model_{q}.tflite", q, src))
+        tok = self.tokenizer()
+        with self._lock:
+            tmp = self.root / f".dir_{key}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            for fname, _, src in files:
+                shutil.copyfile(src, tmp / fname)
+            shutil.copyfile(tok, tmp / "tokenizer.model")
+            write_model_dir_metadata(
+                tmp,
+                name=name,
+                version=version,
+                context_length=kv_max,
+                bos_id=BOS_ID,
+                eos_id=EOS_ID,
+                stop_token_ids=[EOS_ID],
+                chat_template=TINY_CHAT_TEMPLATE,
+                variants=[(fname, q) for fname, q, _ in files],
+            )
+            shutil.rmtree(d, ignore_errors=True)
+            os.replace(tmp, d)
+        return d
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFactory:
+    _require_toolchain()
+    cache = os.environ.get("EDGE_AGENT_TINY_CACHE")
+    if cache:
+        root = Path(cache).expanduser() / _toolchain_fingerprint()
+    else:
+        root = tmp_path_factory.mktemp("tiny_models")
+    return TinyModelFactory(root)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_factory: TinyModelFactory) -> Path:
+    return tiny_model_factory.tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_factory: TinyModelFactory) -> Path:
+    return tiny_model_factory()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model_factory: TinyModelFactory) -> Path:
+    return tiny_model_factory.model_dir()
+
+
+__all__ = [
+    "TINY_CHAT_TEMPLATE",
+    "TINY_MODEL_NAME",
+    "TINY_VOCAB",
+    "TinyModelFactory",
+    "tiny_model",
+    "tiny_model_dir",
+    "tiny_model_factory",
+    "tiny_tokenizer",
+]
