@@ -31,7 +31,8 @@ def dummy_prefix(tmp_path_factory) -> Tokenizer:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines),
         model_writer=buf,
-        vocab_size=120,
+        vocab_size=400,
+        hard_vocab_limit=False,
         byte_fallback=True,
         minloglevel=2,
     )
