@@ -112,6 +112,20 @@ def to_request(msg: pb.GenerateRequest, engine: Engine, max_tokens_limit: int) -
     )
 
 
+def merge_events(events: list[TokenEvent]) -> TokenEvent:
+    """Consecutive events of one request as one (text and ids joined, the last one's end)."""
+    if len(events) == 1:
+        return events[0]
+    last = events[-1]
+    return TokenEvent(
+        "".join(e.text for e in events),
+        tuple(t for e in events for t in e.token_ids),
+        finish_reason=last.finish_reason,
+        stats=last.stats,
+        error=last.error,
+    )
+
+
 def to_response(event: TokenEvent, request_id: str) -> pb.GenerateResponse:
     r = pb.GenerateResponse(text=event.text, token_ids=list(event.token_ids))
     if event.finish_reason is not None:
@@ -188,8 +202,13 @@ class AgentService:
             return
         try:
             while True:
-                event = await events.get()
-                handle.consumed()
+                # Whatever the engine produced while the last message was being sent goes
+                # out as one message: per-message cost does not then cap tokens/s.
+                batch = [await events.get()]
+                while batch[-1].finish_reason is None and not events.empty():
+                    batch.append(events.get_nowait())
+                handle.consumed(len(batch))
+                event = merge_events(batch)
                 yield to_response(event, handle.id)
                 if event.finish_reason is not None:
                     return
