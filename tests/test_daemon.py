@@ -351,3 +351,43 @@ def test_sessions_over_grpc(daemon: Daemon) -> None:
     with pytest.raises(grpc.RpcError) as err:
         list(c.stream(req(session=sid)))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_tcp_only_on_loopback(tiny_model_dir, tmp_path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = Daemon(tmp_path, tiny_model_dir, f'[server]\ntcp = "127.0.0.1:{port}"\n')
+    try:
+        from agent.rpc.client import Client
+
+        c = Client(f"127.0.0.1:{port}", timeout=30)
+        assert c.health() == "SERVING"
+        assert c.generate(req(n=3)).finish_reason in ("length", "stop")
+        c.close()
+    finally:
+        assert d.stop() == 0
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agent",
+            "run",
+            "--profile",
+            "generic-x86_64",
+            "--model",
+            str(tiny_model_dir),
+            "--socket",
+            str(tmp_path / "x.sock"),
+            "--tcp",
+            "0.0.0.0:50999",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "a loopback address" in r.stderr
