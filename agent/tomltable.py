@@ -68,8 +68,7 @@ class Table:
             raise self.error(name, MISSING, f"{allowed} (required)")
         return self.raw[name]
 
-    def integer(self, name: str, lo: int, hi: int | None, default: int | None = None) -> int:
-        allowed = f"an integer from {lo} to {hi}" if hi is not None else f"an integer >= {lo}"
+    def _int_in(self, name: str, lo: int, hi: int | None, default: int | None, allowed: str) -> int:
         if name not in self.raw and default is not None:
             return default
         value = self._require(name, allowed)
@@ -81,6 +80,10 @@ class Table:
         ):
             raise self.error(name, value, allowed)
         return value
+
+    def integer(self, name: str, lo: int, hi: int | None, default: int | None = None) -> int:
+        allowed = f"an integer from {lo} to {hi}" if hi is not None else f"an integer >= {lo}"
+        return self._int_in(name, lo, hi, default, allowed)
 
     def optional_integer(self, name: str, lo: int, hi: int | None) -> int | None:
         return self.integer(name, lo, hi) if name in self.raw else None
@@ -92,17 +95,7 @@ class Table:
             if hi is not None
             else f"an integer number of bytes >= {lo}"
         )
-        if name not in self.raw and default is not None:
-            return default
-        value = self._require(name, allowed)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int)
-            or value < lo
-            or (hi is not None and value > hi)
-        ):
-            raise self.error(name, value, allowed)
-        return value
+        return self._int_in(name, lo, hi, default, allowed)
 
     def number(self, name: str, lo: float, hi: float, *, lo_open: bool = False) -> float:
         lower = f"greater than {lo:g}" if lo_open else f"from {lo:g}"

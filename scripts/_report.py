@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from pathlib import Path
@@ -38,3 +39,14 @@ def write_section(name: str, data: dict[str, Any], body: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     perf.write_text(text)
+
+
+def bench_args(doc: str | None) -> argparse.Namespace:
+    """The options every benchmark takes."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", help="model directory (default: the demo model)")
+    ap.add_argument("--profile", help="profile name or path (default: detect)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--no-write", action="store_true", help="print only, do not touch docs/")
+    return ap.parse_args()

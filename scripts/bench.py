@@ -37,7 +37,7 @@ from agent.engine.sampler import SamplingParams  # noqa: E402
 from agent.engine.types import GenerateRequest  # noqa: E402
 from agent.modeldir import demo_model_dir, load_model_dir  # noqa: E402
 from agent.profile import resolve_profile  # noqa: E402
-from scripts._report import fmt, med, write_section  # noqa: E402
+from scripts._report import bench_args, fmt, med, write_section  # noqa: E402
 
 
 def rss_mib() -> float:
@@ -202,13 +202,7 @@ def table(res: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model")
-    ap.add_argument("--profile")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
+    args = bench_args(__doc__)
     res = run(args)
     if not args.no_write:
         write_section("engine", res, table(res))

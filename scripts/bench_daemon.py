@@ -38,7 +38,7 @@ from agent.engine.types import GenerateRequest  # noqa: E402
 from agent.modeldir import demo_model_dir  # noqa: E402
 from agent.profile import resolve_profile  # noqa: E402
 from agent.rpc.client import Client, build_request  # noqa: E402
-from scripts._report import fmt, med, write_section  # noqa: E402
+from scripts._report import bench_args, fmt, med, write_section  # noqa: E402
 from tests.daemon_harness import Daemon  # noqa: E402
 
 PROMPT = "import os\nimport sys\n\n\ndef main():\n"
@@ -213,13 +213,7 @@ def table(r: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model")
-    ap.add_argument("--profile")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
+    args = bench_args(__doc__)
     r = run(args)
     print(json.dumps({k: v for k, v in r.items() if k != "concurrency"}, indent=1))
     for c in r["concurrency"]:
