@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -60,41 +61,38 @@ def proc_rss_mib(pid: int) -> float:
     return 0.0
 
 
+def measure(stream: Iterable[Any]) -> tuple[float, float, int]:
+    """Consumer-side (time to first token ms, decode tok/s after it, tokens) of a stream of
+    messages or events that carry `token_ids`."""
+    t0 = time.perf_counter()
+    first = last = 0.0
+    n = first_n = 0
+    for msg in stream:
+        if msg.token_ids:
+            last = time.perf_counter()
+            if not n:
+                first, first_n = last, len(msg.token_ids)
+            n += len(msg.token_ids)
+    rate = (n - first_n) / (last - first) if last > first else 0.0
+    return (first - t0) * 1e3, rate, n
+
+
 def grpc_run(sock: str, tokens: int, seed: int) -> tuple[float, float, int]:
-    """Client-side (ttft ms, decode tok/s, tokens) of one streamed request."""
+    """One request streamed through the daemon's socket, measured at the client."""
     c = Client(sock, timeout=300)
     req = build_request(
         PROMPT, None, max_tokens=tokens, temperature=0.8, top_k=40, top_p=0.95, seed=seed, stop=[]
     )
-    t0 = time.perf_counter()
-    first = last = 0.0
-    n = 0
-    for msg in c.stream(req):
-        if msg.token_ids:
-            now = time.perf_counter()
-            if not n:
-                first = now
-            last = now
-            n += len(msg.token_ids)
-    c.close()
-    rate = (n - 1) / (last - first) if n > 1 and last > first else 0.0
-    return (first - t0) * 1e3, rate, n
+    try:
+        return measure(c.stream(req))
+    finally:
+        c.close()
 
 
 def local_run(engine: Engine, tokens: int, seed: int) -> tuple[float, float, int]:
+    """The same request streamed in-process through `Engine.generate`."""
     req = GenerateRequest(PROMPT, max_tokens=tokens, sampling=SamplingParams(0.8, 40, 0.95, seed))
-    t0 = time.perf_counter()
-    first = last = 0.0
-    n = 0
-    for ev in engine.generate(req):
-        if ev.token_ids:
-            now = time.perf_counter()
-            if not n:
-                first = now
-            last = now
-            n += len(ev.token_ids)
-    rate = (n - 1) / (last - first) if n > 1 and last > first else 0.0
-    return (first - t0) * 1e3, rate, n
+    return measure(engine.generate(req))
 
 
 def concurrent(sock: str, clients: int, tokens: int) -> dict[str, Any]:
