@@ -13,6 +13,7 @@ import contextlib
 import grp
 import logging
 import os
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -174,6 +175,32 @@ def status_message(st: AgentStatus) -> pb.AgentStatus:
     )
 
 
+class _EventPipe:
+    """Engine thread → event loop, waking the loop once per batch rather than per token."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: deque[TokenEvent] = deque()
+        self._ready = asyncio.Event()
+        self._woken = False  # a wake-up is already on its way
+
+    def put(self, event: TokenEvent) -> None:  # engine thread
+        self._items.append(event)
+        if not self._woken:
+            self._woken = True
+            self._loop.call_soon_threadsafe(self._ready.set)
+
+    async def take(self) -> list[TokenEvent]:  # event loop: at least one, up to the end
+        while not self._items:
+            await self._ready.wait()
+            self._ready.clear()
+            self._woken = False
+        batch = [self._items.popleft()]
+        while self._items and batch[-1].finish_reason is None:
+            batch.append(self._items.popleft())
+        return batch
+
+
 class AgentService:
     """The edge_agent.v1.Agent methods."""
 
@@ -184,18 +211,12 @@ class AgentService:
     async def Generate(
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        pipe = _EventPipe(asyncio.get_running_loop())
         try:
             _check(request)
             engine = self._backend.engine()
             domain = to_request(request, engine, self._max_tokens)
-            remaining = context.time_remaining()
-
-            def sink(event: TokenEvent) -> None:  # engine thread → event loop
-                loop.call_soon_threadsafe(events.put_nowait, event)
-
-            handle = engine.submit(domain, sink, timeout=remaining)
+            handle = engine.submit(domain, pipe.put, timeout=context.time_remaining())
         except AgentError as exc:
             log.info("generate refused: %s", exc)
             await _abort(context, exc)
@@ -204,9 +225,7 @@ class AgentService:
             while True:
                 # Whatever the engine produced while the last message was being sent goes
                 # out as one message: per-message cost does not then cap tokens/s.
-                batch = [await events.get()]
-                while batch[-1].finish_reason is None and not events.empty():
-                    batch.append(events.get_nowait())
+                batch = await pipe.take()
                 handle.consumed(len(batch))
                 event = merge_events(batch)
                 yield to_response(event, handle.id)
