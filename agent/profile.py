@@ -730,6 +730,34 @@ def _range_text(lo: int, hi: int | None, unit: str) -> str:
     return f"{lo}–{hi} {unit}" if hi is not None else f">= {lo} {unit}"
 
 
+def _check_range(
+    fits: list[str],
+    misfits: list[str],
+    what: str,
+    unit: str,
+    value: int | None,
+    lo: int,
+    hi: int | None,
+    unknown: str,
+    *,
+    active: bool,
+) -> None:
+    """Note whether a measured quantity (RAM, cores) lies in a profile's [lo, hi] range."""
+    if not active and hi is None:
+        return
+    wanted = _range_text(lo, hi, unit)
+    if value is None:
+        misfits.append(f"{unknown}, needs {wanted}")
+    elif value < lo or (hi is not None and value > hi):
+        misfits.append(f"{_quantity(what, value, unit)} is outside {wanted}")
+    else:
+        fits.append(f"{_quantity(what, value, unit)} within {wanted}")
+
+
+def _quantity(what: str, value: int, unit: str) -> str:
+    return f"{what} {value} {unit}" if what == "RAM" else f"{value} {unit}"
+
+
 def _evaluate(profile: DeviceProfile, facts: HardwareFacts) -> _Verdict:
     b = profile.board
     fits: list[str] = []
@@ -762,27 +790,28 @@ def _evaluate(profile: DeviceProfile, facts: HardwareFacts) -> _Verdict:
     elif b.cpu_features:
         fits.append(f"CPU has {', '.join(b.cpu_features)}")
 
-    if b.ram_mb_min > 0 or b.ram_mb_max is not None:
-        wanted = _range_text(b.ram_mb_min, b.ram_mb_max, "MiB")
-        if facts.ram_mb is None:
-            misfits.append(f"RAM unknown (no MemTotal in /proc/meminfo), needs {wanted}")
-        elif facts.ram_mb < b.ram_mb_min or (
-            b.ram_mb_max is not None and facts.ram_mb > b.ram_mb_max
-        ):
-            misfits.append(f"RAM {facts.ram_mb} MiB is outside {wanted}")
-        else:
-            fits.append(f"RAM {facts.ram_mb} MiB within {wanted}")
-
-    if b.cores_min > 1 or b.cores_max is not None:
-        wanted = _range_text(b.cores_min, b.cores_max, "cores")
-        if facts.cpu_count is None:
-            misfits.append(f"core count unknown, needs {wanted}")
-        elif facts.cpu_count < b.cores_min or (
-            b.cores_max is not None and facts.cpu_count > b.cores_max
-        ):
-            misfits.append(f"{facts.cpu_count} cores is outside {wanted}")
-        else:
-            fits.append(f"{facts.cpu_count} cores within {wanted}")
+    _check_range(
+        fits,
+        misfits,
+        "RAM",
+        "MiB",
+        facts.ram_mb,
+        b.ram_mb_min,
+        b.ram_mb_max,
+        "RAM unknown (no MemTotal in /proc/meminfo)",
+        active=b.ram_mb_min > 0,
+    )
+    _check_range(
+        fits,
+        misfits,
+        "cores",
+        "cores",
+        facts.cpu_count,
+        b.cores_min,
+        b.cores_max,
+        "core count unknown",
+        active=b.cores_min > 1,
+    )
 
     for node in b.npu_nodes:
         if node in facts.npu_nodes:

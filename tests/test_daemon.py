@@ -57,11 +57,17 @@ def test_generate_streams_and_matches_in_process_engine(
     from agent.engine.types import GenerateRequest
 
     c = daemon.client()
+    # Tokens that queue up while a message is being written go out together, so a short
+    # generation on this fast model can arrive whole; a long one cannot.
+    long = list(c.stream(req("x = 1\n", n=100, seed=4, temperature=0.0)))
+    assert len(long) >= 2  # streamed, not one blob
+    assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in long[:-1])
+    assert sum(len(m.token_ids) for m in long) == long[-1].stats.generated_tokens
     messages = list(c.stream(req(n=10, seed=4)))
-    assert len(messages) >= 2  # streamed, not one blob
     reply = c.generate(req(n=10, seed=4))
     assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH and reply.finish_reason == "length"
     assert messages[-1].request_id
+    assert [t for m in messages for t in m.token_ids] == reply.tokens
     local = Engine(dev_profile, tiny_model_dir)  # the same variant the profile picks (int8)
     want = local.complete(
         GenerateRequest(

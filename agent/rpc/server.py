@@ -236,38 +236,19 @@ class AgentService:
             if not handle.done.is_set():
                 handle.cancel()
 
-    async def Tokenize(
-        self, request: Any, context: grpc.aio.ServicerContext
-    ) -> pb.TokenizeResponse:
-        try:
-            _check(request)
-            engine = self._backend.engine()
-            ids = engine.tokenizer.encode(request.text)
-            if request.add_bos:
-                ids = [engine.meta.bos_id, *ids]
-        except AgentError as exc:
-            await _abort(context, exc)
-            raise  # unreachable: abort raises
+    def Tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        engine = self._backend.engine()
+        ids = engine.tokenizer.encode(request.text)
+        if request.add_bos:
+            ids = [engine.meta.bos_id, *ids]
         return pb.TokenizeResponse(token_ids=ids)
 
-    async def Detokenize(
-        self, request: Any, context: grpc.aio.ServicerContext
-    ) -> pb.DetokenizeResponse:
-        try:
-            _check(request)
-            text = self._backend.engine().tokenizer.decode(list(request.token_ids))
-        except AgentError as exc:
-            await _abort(context, exc)
-            raise
+    def Detokenize(self, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
+        text = self._backend.engine().tokenizer.decode(list(request.token_ids))
         return pb.DetokenizeResponse(text=text)
 
-    async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        try:
-            _check(request)
-            i = self._backend.engine().info
-        except AgentError as exc:
-            await _abort(context, exc)
-            raise
+    def GetModelInfo(self, request: pb.GetModelInfoRequest) -> pb.ModelInfo:
+        i = self._backend.engine().info
         return pb.ModelInfo(
             name=i.name,
             version=i.version,
@@ -282,33 +263,30 @@ class AgentService:
             fallbacks=list(i.fallbacks),
         )
 
-    async def CreateSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.Session:
-        try:
-            _check(request)
-            sid = self._backend.engine().create_session()
-        except AgentError as exc:
-            await _abort(context, exc)
-            raise
-        return pb.Session(id=sid)
+    def CreateSession(self, request: pb.CreateSessionRequest) -> pb.Session:
+        return pb.Session(id=self._backend.engine().create_session())
 
-    async def DeleteSession(
-        self, request: Any, context: grpc.aio.ServicerContext
-    ) -> pb.DeleteSessionResponse:
-        try:
-            _check(request)
-            self._backend.engine().delete_session(request.id)
-        except AgentError as exc:
-            await _abort(context, exc)
-            raise
+    def DeleteSession(self, request: pb.DeleteSessionRequest) -> pb.DeleteSessionResponse:
+        self._backend.engine().delete_session(request.id)
         return pb.DeleteSessionResponse()
 
-    async def GetStatus(self, request: Any, context: grpc.aio.ServicerContext) -> pb.AgentStatus:
+    def GetStatus(self, request: pb.GetStatusRequest) -> pb.AgentStatus:
+        return status_message(self._backend.status())
+
+
+def _unary(method: Callable[[Any], Any]) -> Callable[[Any, grpc.aio.ServicerContext], Any]:
+    """One adapter for every unary method: unparsable requests and domain errors become the
+    status from the error table; the method itself only maps request to response."""
+
+    async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             _check(request)
-            return status_message(self._backend.status())
+            return method(request)
         except AgentError as exc:
             await _abort(context, exc)
-            raise
+            raise  # unreachable: abort raises
+
+    return handle
 
 
 def _handlers(service: AgentService) -> grpc.GenericRpcHandler:
@@ -320,24 +298,32 @@ def _handlers(service: AgentService) -> grpc.GenericRpcHandler:
             service.Generate, _lenient(pb.GenerateRequest), out
         ),
         "Tokenize": grpc.unary_unary_rpc_method_handler(
-            service.Tokenize, _lenient(pb.TokenizeRequest), pb.TokenizeResponse.SerializeToString
+            _unary(service.Tokenize),
+            _lenient(pb.TokenizeRequest),
+            pb.TokenizeResponse.SerializeToString,
         ),
         "Detokenize": grpc.unary_unary_rpc_method_handler(
-            service.Detokenize,
+            _unary(service.Detokenize),
             _lenient(pb.DetokenizeRequest),
             pb.DetokenizeResponse.SerializeToString,
         ),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            service.GetModelInfo, _lenient(pb.GetModelInfoRequest), pb.ModelInfo.SerializeToString
+            _unary(service.GetModelInfo),
+            _lenient(pb.GetModelInfoRequest),
+            pb.ModelInfo.SerializeToString,
         ),
         "GetStatus": grpc.unary_unary_rpc_method_handler(
-            service.GetStatus, _lenient(pb.GetStatusRequest), pb.AgentStatus.SerializeToString
+            _unary(service.GetStatus),
+            _lenient(pb.GetStatusRequest),
+            pb.AgentStatus.SerializeToString,
         ),
         "CreateSession": grpc.unary_unary_rpc_method_handler(
-            service.CreateSession, _lenient(pb.CreateSessionRequest), pb.Session.SerializeToString
+            _unary(service.CreateSession),
+            _lenient(pb.CreateSessionRequest),
+            pb.Session.SerializeToString,
         ),
         "DeleteSession": grpc.unary_unary_rpc_method_handler(
-            service.DeleteSession,
+            _unary(service.DeleteSession),
             _lenient(pb.DeleteSessionRequest),
             pb.DeleteSessionResponse.SerializeToString,
         ),
