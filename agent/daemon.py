@@ -135,13 +135,12 @@ class Daemon:
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self) -> int:
-        loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        self._install_signals(loop)
+        self._install_signals(asyncio.get_running_loop())
         t0 = time.monotonic()
         self._plan = _plan(self.config, self.overrides)
         self.notifier.status(f"loading {self._plan.model_dir.name} on {self._plan.profile.name}")
-        self._engine = await loop.run_in_executor(None, _build, self._plan)
+        self._engine = await self._load(self._plan)
         server = Server(self, self.config.server, self.config.limits.max_tokens)
         await server.start()
         self._state = "serving"
@@ -163,6 +162,20 @@ class Daemon:
         finally:
             await self._shutdown(server)
         return 0
+
+    async def _load(self, plan: _Plan) -> Engine:
+        """Build an engine off the event loop. Meanwhile, every tick asks systemd for more time
+        (EXTEND_TIMEOUT_USEC: a large model on a slow board must not hit TimeoutStartSec) and,
+        during a reload, keeps the watchdog fed for the engine that is still serving."""
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(None, _build, plan)
+        tick = self.config.watchdog.tick_s
+        while True:
+            self.notifier.extend_timeout(int(3 * tick * 1e6))
+            done, _ = await asyncio.wait({future}, timeout=tick)
+            if done:
+                return future.result()
+            self._tick()
 
     def _install_signals(self, loop: asyncio.AbstractEventLoop) -> None:
         loop.add_signal_handler(signal.SIGTERM, self._request_stop)
@@ -224,7 +237,6 @@ class Daemon:
         )
 
     async def _do_reload(self, server: Server) -> None:
-        loop = asyncio.get_running_loop()
         self.notifier.reloading("reloading configuration and profile")
         log.info("reload requested (SIGHUP)")
         try:
@@ -235,7 +247,7 @@ class Daemon:
                 self._state = "reloading"
                 if not self._fits_beside(plan):
                     await self._drain_current(server)
-                new = await loop.run_in_executor(None, _build, plan)
+                new = await self._load(plan)
                 await server.set_serving(False)
                 old, self._engine, self._plan = self._engine, new, plan
                 await server.set_serving(True)
@@ -247,7 +259,7 @@ class Daemon:
         except Exception as exc:  # a bad new config keeps the old one serving
             log.error("reload failed, keeping the previous model: %s", exc)
             if self._engine is None and self._plan is not None:  # it was drained for the new one
-                self._engine = await loop.run_in_executor(None, _build, self._plan)
+                self._engine = await self._load(self._plan)
                 await server.set_serving(True)
         self._state = "serving"
         self.notifier.ready(self._status_line())

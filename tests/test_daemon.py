@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import stat
 import threading
@@ -43,6 +44,9 @@ def daemon(tiny_model_dir, tmp_path_factory):
 
 def test_ready_health_and_socket_mode(daemon: Daemon) -> None:
     assert "STATUS" in daemon.ready and "serving" in daemon.ready["STATUS"]
+    # while the model loads, systemd is asked for more start-up time
+    before_ready = daemon.notify.messages[: daemon.notify.messages.index(daemon.ready)]
+    assert any(int(m.get("EXTEND_TIMEOUT_USEC", "0")) > 0 for m in before_ready)
     assert stat.S_IMODE(daemon.socket.stat().st_mode) == 0o660
     c = daemon.client()
     assert c.health() == "SERVING"
@@ -264,6 +268,43 @@ def test_sighup_reload_under_load_switches_model_without_failures(tiny_model_dir
         assert not failures, failures[:3]
         assert c.info()["quantization"] == "int8"
         assert c.health() == "SERVING"
+    finally:
+        assert d.stop() == 0, d.read_log()
+
+
+def test_sighup_reload_that_does_not_fit_beside_drains_first(tmp_path) -> None:
+    """A budget that holds one model but not two: the reload finishes in-flight requests,
+    unloads the old model, then loads the new one; nothing in flight fails. (The demo model:
+    the tiny one plans less than the smallest budget a profile accepts.)"""
+    from agent.engine.engine import estimate_memory
+    from agent.modeldir import demo_model_dir
+    from agent.profile import profiles_dir, resolve_profile
+
+    dev, _ = resolve_profile("generic-x86_64")
+    one = estimate_memory(dev, demo_model_dir(), "int8")
+    text = (profiles_dir() / "generic-x86_64.toml").read_text()
+    text = re.sub(r"(?m)^max_num_bytes = .*$", f"max_num_bytes = {one + one // 8}", text)
+    (tmp_path / "p").mkdir()
+    profile = tmp_path / "p" / "generic-x86_64.toml"
+    profile.write_text(text)
+    config = '[model]\nquantization = "%s"\n'
+    d = Daemon(tmp_path, demo_model_dir(), config % "int8", profile=str(profile))
+    try:
+        c = d.client()
+        stream = c.stream(req(n=200))
+        first = next(stream)
+        d.config.write_text(config % "int4_block32")
+        since = len(d.notify.messages)
+        d.signal(signal.SIGHUP)
+        rest = list(stream)  # the request in flight finishes on the old model
+        assert (rest[-1] if rest else first).finish_reason in (
+            pb.FINISH_REASON_LENGTH,
+            pb.FINISH_REASON_STOP,
+        )
+        d.notify.wait_for("READY", "1", since=since)
+        assert c.info()["quantization"] == "int4_block32"
+        assert c.generate(req(n=4)).finish_reason in ("length", "stop")
+        assert "draining first" in d.read_log()
     finally:
         assert d.stop() == 0, d.read_log()
 
