@@ -14,6 +14,10 @@ Examples:
       --tokenizer build/demo/tokenizer.model --out /tmp/demo \\
       --quant int8 --quant int4_block32 --name edge-demo-pystdlib --version 1.0.0
 
+  # the benchmarks' larger model: SmolLM-135M's shape, random weights, the demo tokenizer
+  python scripts/build_model.py --random --preset smollm-135m --kv-max 1280 \\
+      --tokenizer agent/models/demo/tokenizer.model --quant int8 --out .cache/models/smollm
+
   # a tiny random model, default KV layout, mask as input, two prefill lengths
   python scripts/build_model.py --random --tiny --layout default --mask-as-input \\
       --prefill 8 --prefill 32 --kv-max 128 --quant fp32 --quant int8 --out /tmp/tiny
@@ -32,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from agent.modeldir import QUANTIZATIONS, load_model_dir, write_model_dir_metadata  # noqa: E402
 from agent.toolchain import tokenizer as tk  # noqa: E402
-from agent.toolchain.config import DEMO_SPEC, TINY_SPEC, DecoderSpec  # noqa: E402
+from agent.toolchain.config import PRESETS, TINY_SPEC, DecoderSpec  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -44,6 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     src.add_argument("--random", action="store_true", help="random weights")
     arch = ap.add_argument_group("architecture (with --random)")
     arch.add_argument("--tiny", action="store_true", help="the tiny test architecture")
+    arch.add_argument(
+        "--preset", choices=sorted(PRESETS), help="a named architecture (default: demo)"
+    )
     arch.add_argument("--vocab", type=int, default=None)
     arch.add_argument("--layers", type=int, default=None)
     arch.add_argument("--dim", type=int, default=None)
@@ -79,7 +86,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def spec_from_args(args: argparse.Namespace) -> DecoderSpec:
-    base = TINY_SPEC if args.tiny else DEMO_SPEC
+    base = TINY_SPEC if args.tiny else PRESETS[args.preset or "demo"]
     raw = base.to_dict()
     for key, attr in (
         ("vocab_size", "vocab"),

@@ -539,6 +539,7 @@ class Engine:
                 stop=p.stop,
                 stop_ids=self._stop_ids,
                 prefill_chunk=self.profile.generation.prefill_chunk,
+                vocab=self.tokenizer.vocab_size,
                 cancel=p.handle.cancel_event,
                 deadline=p.deadline,
                 queued_at=p.handle.submitted_at,

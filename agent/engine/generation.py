@@ -60,6 +60,7 @@ class Generation:
         stop: Sequence[str],
         stop_ids: frozenset[int],
         prefill_chunk: int,
+        vocab: int | None = None,
         cancel: threading.Event | None = None,
         deadline: float | None = None,
         queued_at: float | None = None,
@@ -85,6 +86,9 @@ class Generation:
         self._t_first: float | None = None
         self._t_end: float | None = None
         self._context = runner.layout.context_length
+        # Rows past the tokenizer's vocabulary are padding (models round their embedding up):
+        # never sample them.
+        self._vocab = vocab if vocab is not None else runner.layout.vocab_size
 
     @property
     def kv_rows(self) -> int:
@@ -117,7 +121,7 @@ class Generation:
     def _decode_one(self) -> list[TokenEvent]:
         logits = self._runner.decode(self._kv, self._next_input, self._pos)
         self._pos += 1
-        token = self._sampler(logits)
+        token = self._sampler(logits[: self._vocab])
         if self._t_first is None:
             self._t_first = time.perf_counter()
         if token in self._stop_ids:

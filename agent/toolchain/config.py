@@ -96,6 +96,21 @@ TINY_SPEC = DecoderSpec(
     max_seq_len=1024,
 )
 
+#: SmolLM-135M's shape (HuggingFaceTB/SmolLM-135M config.json: 30 layers, width 576, 9 heads
+#: over 3 KV groups, FFN 1536, vocabulary 49,152), with random weights: the "larger model" of
+#: the benchmarks (issues 4 and 7). Our decoder unties the lm_head, so it has ~163M parameters.
+SMOLLM_135M_SPEC = DecoderSpec(
+    vocab_size=49_152,
+    num_layers=30,
+    embedding_dim=576,
+    num_heads=9,
+    num_query_groups=3,
+    intermediate_size=1536,
+    max_seq_len=2048,
+)
+
+PRESETS = {"demo": DEMO_SPEC, "tiny": TINY_SPEC, "smollm-135m": SMOLLM_135M_SPEC}
+
 
 def to_model_config(spec: DecoderSpec, *, enable_hlfb: bool = True, kv_max: int | None = None):
     """litert-torch `ModelConfig` for `spec` (imports litert_torch)."""
