@@ -41,6 +41,12 @@ def write_section(name: str, data: dict[str, Any], body: str) -> None:
     perf.write_text(text)
 
 
+def section_name(base: str, args: argparse.Namespace) -> str:
+    """The PERFORMANCE.md section a run writes: `base` for the demo model, `base-<dir name>`
+    for another model, so that runs on different models keep their own tables."""
+    return f"{base}-{Path(args.model).name}" if args.model else base
+
+
 def bench_args(doc: str | None) -> argparse.Namespace:
     """The options every benchmark takes."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)

@@ -37,7 +37,7 @@ from agent.engine.sampler import SamplingParams  # noqa: E402
 from agent.engine.types import GenerateRequest  # noqa: E402
 from agent.modeldir import demo_model_dir, load_model_dir  # noqa: E402
 from agent.profile import resolve_profile  # noqa: E402
-from scripts._report import bench_args, fmt, med, write_section  # noqa: E402
+from scripts._report import bench_args, fmt, med, section_name, write_section  # noqa: E402
 
 
 def rss_mib() -> float:
@@ -205,8 +205,9 @@ def main() -> None:
     args = bench_args(__doc__)
     res = run(args)
     if not args.no_write:
-        write_section("engine", res, table(res))
-        print("wrote docs/PERFORMANCE.md and docs/bench/engine.json")
+        name = section_name("engine", args)
+        write_section(name, res, table(res))
+        print(f"wrote docs/PERFORMANCE.md and docs/bench/{name}.json")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from agent.engine.types import GenerateRequest  # noqa: E402
 from agent.modeldir import demo_model_dir  # noqa: E402
 from agent.profile import resolve_profile  # noqa: E402
 from agent.rpc.client import Client, build_request  # noqa: E402
-from scripts._report import bench_args, fmt, med, write_section  # noqa: E402
+from scripts._report import bench_args, fmt, med, section_name, write_section  # noqa: E402
 from tests.daemon_harness import Daemon  # noqa: E402
 
 PROMPT = "import os\nimport sys\n\n\ndef main():\n"
@@ -135,6 +135,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sock = str(d.socket)
         engine = Engine(profile, model_dir)
         quant = engine.info.quantization
+        engine_name = engine.info.name
         grpc_run(sock, 16, 0)  # warm-up both
         local_run(engine, 16, 0)
         g_ttft, g_rate, l_ttft, l_rate = [], [], [], []
@@ -155,10 +156,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "profile": profile.name,
         "threads": profile.runtime.num_threads,
-        "model": model_dir.name,
+        "model": f"{engine_name} ({model_dir.name})",
         "quantization": quant,
         "rounds": args.rounds,
         "tokens": args.tokens,
+        "args": f" --model {args.model}" if args.model else "",
         "startup_to_ready_s": startup_s,
         "ready_status": d.ready.get("STATUS", ""),
         "idle_cpu_pct": idle_cpu_pct,
@@ -179,9 +181,9 @@ def table(r: dict[str, Any]) -> str:
 
     lines = [
         f"Measured {r['date']} on {r['machine']}, profile `{r['profile']}` ({r['threads']} "
-        f"threads), demo model {r['quantization']}; client-side rates, median (min–max) of "
+        f"threads), model {r['model']} {r['quantization']}; client-side rates, median (min–max) of "
         f"{r['rounds']} alternating rounds of {r['tokens']} tokens. Command: "
-        "`python scripts/bench_daemon.py`.",
+        f"`python scripts/bench_daemon.py{r['args']}`.",
         "",
         "| path | decode tok/s | time to first token (ms) |",
         "|---|---|---|",
@@ -217,8 +219,9 @@ def main() -> None:
     for c in r["concurrency"]:
         print(c["clients"], f"{c['aggregate_tok_s']:.0f} tok/s, jain {c['jain']:.3f}")
     if not args.no_write:
-        write_section("daemon", r, table(r))
-        print("wrote docs/PERFORMANCE.md and docs/bench/daemon.json")
+        name = section_name("daemon", args)
+        write_section(name, r, table(r))
+        print(f"wrote docs/PERFORMANCE.md and docs/bench/{name}.json")
 
 
 if __name__ == "__main__":

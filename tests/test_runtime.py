@@ -93,6 +93,31 @@ def test_sessions_do_not_share_kv(tiny_model_factory, dev_profile) -> None:
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kv_layout", ["transposed", "default"])
+@pytest.mark.parametrize("interpreter", [False, True], ids=["compiled", "interpreter"])
+def test_saved_rows_restore_a_cache_exactly(
+    tiny_model_factory, dev_profile, kv_layout, interpreter
+) -> None:
+    """What a spill keeps (only the used rows) continues bit for bit in another cache."""
+    path = tiny_model_factory(layout=kv_layout, prefill_lens=(8,), kv_max=64)
+    runner = litert.load(path, dev_profile, prefer_interpreter=interpreter).runner
+    a = runner.new_kv()
+    runner.prefill(a, PROMPT[:12], 0)
+    rows = runner.read_rows(a, 12)
+    kv = runner.layout.kv
+    for name, r in rows.items():
+        assert r.shape[kv.k_seq_axis if "_k_" in name else kv.v_seq_axis] == 12
+    assert sum(r.nbytes for r in rows.values()) == 12 * runner.layout.kv.bytes_per_token
+    b = runner.new_kv()
+    runner.prefill(b, PROMPT[5:17], 0)  # different content that the restore must replace
+    runner.write_rows(b, rows)
+    want = runner.decode(a, PROMPT[12], 12)
+    got = runner.decode(b, PROMPT[12], 12)
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ModelFormatError):
+        runner.write_rows(b, {"kv_cache_k_0": rows["kv_cache_k_0"]})
+
+
 def test_plan_prefill_never_runs_past_the_cache(tiny_model_factory) -> None:
     path = tiny_model_factory(layout="transposed", prefill_lens=(8, 16), kv_max=64)
     layout = discover_layout(read_model_file(path))

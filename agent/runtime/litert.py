@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
@@ -45,7 +45,7 @@ class MemoryPlan:
 
     weights: int  # the mapped model file
     packed_weights: int  # XNNPACK repacks weights into its own layout
-    activations: int  # the signatures' intermediate tensors (upper bound: no arena sharing)
+    activations: int  # per signature, the peak of its intermediate tensors alive at once
     kv_per_session: int
     sessions: int
     budget: int
@@ -81,6 +81,8 @@ class Runner(Protocol):
     accelerator: str
 
     def new_kv(self) -> KVCache: ...
+    def read_rows(self, kv: KVCache, rows: int) -> dict[str, npt.NDArray[Any]]: ...
+    def write_rows(self, kv: KVCache, arrays: Mapping[str, npt.NDArray[Any]]) -> None: ...
     def prefill(self, kv: KVCache, tokens: Sequence[int], start: int) -> None: ...
     def decode(self, kv: KVCache, token: int, pos: int) -> Logits: ...
     def close(self) -> None: ...
@@ -151,6 +153,49 @@ class _RunnerBase(Generic[_K]):
         if not isinstance(kv, self._kv_type):
             raise TypeError(f"KV cache {type(kv).__name__} does not belong to this runner")
         return kv
+
+    def _full(self, kv: _K, name: str) -> npt.NDArray[Any]:
+        """One KV tensor of a cache as a host array (a copy or a view)."""
+        raise NotImplementedError
+
+    def _store(self, kv: _K, name: str, array: npt.NDArray[Any]) -> None:
+        """Replace one KV tensor of a cache."""
+        raise NotImplementedError
+
+    def _seq_axis(self, name: str) -> int:
+        kv = self.layout.kv
+        return kv.k_seq_axis if "_k_" in name else kv.v_seq_axis
+
+    def _seq_index(self, name: str, rows: int) -> tuple[Any, ...]:
+        """Index of the first `rows` cache rows of one KV tensor."""
+        index: list[Any] = [slice(None)] * len(self.layout.kv.k_shape)
+        index[self._seq_axis(name)] = slice(0, rows)
+        return tuple(index)
+
+    def read_rows(self, kv: KVCache, rows: int) -> dict[str, npt.NDArray[Any]]:
+        """A copy of the first `rows` cache rows of every KV tensor: what a spill keeps."""
+        own = self._own(kv)
+        return {
+            name: np.ascontiguousarray(self._full(own, name)[self._seq_index(name, rows)])
+            for name in self.layout.kv.names()
+        }
+
+    def write_rows(self, kv: KVCache, arrays: Mapping[str, npt.NDArray[Any]]) -> None:
+        """Put rows saved by `read_rows` back at the start of a cache; later rows are zeroed
+        (the causal mask hides them either way)."""
+        own = self._own(kv)
+        layout = self.layout.kv
+        if set(arrays) != set(layout.names()):
+            raise ModelFormatError("saved KV rows do not match this model's KV tensors")
+        for name, rows in arrays.items():
+            shape = layout.k_shape if "_k_" in name else layout.v_shape
+            full = np.zeros(shape, dtype=np.float32)
+            index = self._seq_index(name, rows.shape[self._seq_axis(name)])
+            try:
+                full[index] = rows
+            except ValueError as exc:
+                raise ModelFormatError(f"saved KV rows of {name} do not fit: {exc}") from exc
+            self._store(own, name, full)
 
     def prefill(self, kv: KVCache, tokens: Sequence[int], start: int) -> None:
         own = self._own(kv)
@@ -249,6 +294,15 @@ class _CompiledRunner(_RunnerBase[_BoundKV]):
             buf.write(np.zeros(shape, dtype=np.float32))
             buffers[name] = buf
         return _BoundKV(buffers, kv.bytes_per_session)
+
+    def _full(self, kv: _BoundKV, name: str) -> npt.NDArray[Any]:
+        layout = self.layout.kv
+        shape = layout.k_shape if "_k_" in name else layout.v_shape
+        flat: npt.NDArray[Any] = kv.buffers[name].read(int(np.prod(shape)), np.float32)
+        return flat.reshape(shape)
+
+    def _store(self, kv: _BoundKV, name: str, array: npt.NDArray[Any]) -> None:
+        kv.buffers[name].write(array)
 
     def _run(self, sig: Signature, kv: _BoundKV, tokens: Sequence[int], pos: int) -> None:
         io = self._io[sig.key]
@@ -358,6 +412,13 @@ class _InterpreterRunner(_RunnerBase[_HostKV]):
             for n in kv.names()
         }
         return _HostKV(arrays, kv.bytes_per_session)
+
+    def _full(self, kv: _HostKV, name: str) -> npt.NDArray[Any]:
+        return kv.arrays[name]
+
+    def _store(self, kv: _HostKV, name: str, array: npt.NDArray[Any]) -> None:
+        kv.arrays[name][...] = array
+        kv.version += 1  # the signatures' input tensors hold an older copy now
 
     def _rows(self, name: str) -> int:
         kv = self.layout.kv

@@ -65,7 +65,9 @@ class SignatureIO:
     subgraph_index: int
     inputs: tuple[TensorInfo, ...]
     outputs: tuple[TensorInfo, ...]
-    activation_bytes: int  # non-constant tensors of the subgraph that are not inputs/outputs
+    # peak bytes of intermediate tensors alive at once, in operator order: what an arena that
+    # reuses memory between tensors with disjoint lifetimes (TFLite's, XNNPACK's) must hold
+    activation_bytes: int
 
     def input(self, name: str) -> TensorInfo | None:
         return next((t for t in self.inputs if t.name == name), None)
@@ -183,11 +185,12 @@ def _parse(path: Path, data: mmap.mmap) -> ModelFile:
         boundary = {sg.Inputs(i) for i in range(sg.InputsLength())} | {
             sg.Outputs(i) for i in range(sg.OutputsLength())
         }
-        activations = sum(
-            tensor_info(sg, i).nbytes
+        intermediate = {
+            i: tensor_info(sg, i).nbytes
             for i in range(sg.TensorsLength())
             if i not in boundary and not is_constant(sg.Tensors(i))
-        )
+        }
+        activations = _peak_live_bytes(sg, intermediate)
         signatures.append(
             SignatureIO(_name(sd.SignatureKey()), sg_index, inputs, outputs, activations)
         )
@@ -234,3 +237,25 @@ def _parse(path: Path, data: mmap.mmap) -> ModelFile:
         ),
         weight_bytes=sum(weight_bytes.values()),
     )
+
+
+def _peak_live_bytes(sg: schema.SubGraph, sizes: dict[int, int]) -> int:
+    """Largest total size of the tensors in `sizes` that are alive at the same operator, a
+    tensor living from the operator that first touches it to the one that last does."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for k in range(sg.OperatorsLength()):
+        op = sg.Operators(k)
+        for t in (*op.InputsAsNumpy().tolist(), *op.OutputsAsNumpy().tolist()):
+            if t in sizes:
+                first.setdefault(t, k)
+                last[t] = k
+    delta = [0] * (sg.OperatorsLength() + 1)
+    for t, k in first.items():
+        delta[k] += sizes[t]
+        delta[last[t] + 1] -= sizes[t]
+    peak = live = 0
+    for d in delta:
+        live += d
+        peak = max(peak, live)
+    return peak
