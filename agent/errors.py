@@ -77,6 +77,18 @@ class Unavailable(AgentError):
     """The agent cannot take requests right now (loading, swapping a model, stopping)."""
 
 
+class SessionLost(AgentError):
+    """A session's saved KV cannot be used (corrupt, truncated, or from another model).
+
+    The bad copy has been deleted; the session does not exist any more.
+    """
+
+    def __init__(self, session: str, why: str) -> None:
+        self.session = session
+        self.why = why
+        super().__init__(f"session {session}: {why}; the session is lost")
+
+
 # The one table from error type to gRPC status code name (looked up along the MRO, so a
 # subclass maps like its parent unless listed itself). Anything else is INTERNAL.
 GRPC_STATUS: dict[type[AgentError], str] = {
@@ -86,6 +98,7 @@ GRPC_STATUS: dict[type[AgentError], str] = {
     NotFound: "NOT_FOUND",
     SessionBusy: "FAILED_PRECONDITION",
     Unavailable: "UNAVAILABLE",
+    SessionLost: "DATA_LOSS",
     ConfigError: "FAILED_PRECONDITION",
     ModelFormatError: "FAILED_PRECONDITION",
     BudgetError: "RESOURCE_EXHAUSTED",
