@@ -97,7 +97,7 @@ RUNTIME_KEYS: Final = (
 NPU_KEYS: Final = ("kind", "library", "options")
 MODEL_KEYS: Final = ("quantization", "path")
 GENERATION_KEYS: Final = ("max_tokens", "temperature", "top_k", "top_p", "prefill_chunk")
-KV_KEYS: Final = ("host_max_bytes", "disk_max_bytes", "preallocate")
+KV_KEYS: Final = ("host_max_bytes", "disk_max_bytes", "prefix_max_bytes", "preallocate")
 
 NpuOptionValue = str | int | float | bool
 
@@ -171,11 +171,12 @@ class GenerationDefaults:
 
 @dataclass(frozen=True, slots=True)
 class KVConfig:
-    """KV tier limits (filled in by the KV issue; zero means the tier is off)."""
+    """KV tier budgets in bytes (zero turns a tier off) and how the runtime caches are made."""
 
-    host_max_bytes: int = 0
-    disk_max_bytes: int = 0
-    preallocate: bool = False
+    host_max_bytes: int = 0  # spilled sessions' used rows in RAM (counted in max_num_bytes)
+    disk_max_bytes: int = 0  # session files in the state directory
+    prefix_max_bytes: int = 0  # shared-prefix cache in RAM (counted in max_num_bytes)
+    preallocate: bool = False  # make every runtime KV cache the budget allows at load
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,6 +329,7 @@ def _parse_kv(t: _Table | None) -> KVConfig:
     return KVConfig(
         host_max_bytes=t.size("host_max_bytes", 0, None, default=0),
         disk_max_bytes=t.size("disk_max_bytes", 0, None, default=0),
+        prefix_max_bytes=t.size("prefix_max_bytes", 0, None, default=0),
         preallocate=t.flag("preallocate", default=False),
     )
 
@@ -417,6 +419,15 @@ def parse_profile(data: Mapping[str, object], source: str | Path) -> DeviceProfi
             kv.host_max_bytes,
             f"at most runtime.max_num_bytes ({runtime.max_num_bytes}): "
             "the host tier is part of that budget",
+        )
+    if kv.host_max_bytes + kv.prefix_max_bytes > runtime.max_num_bytes:
+        raise ConfigError(
+            src,
+            "kv.prefix_max_bytes",
+            kv.prefix_max_bytes,
+            f"at most runtime.max_num_bytes - kv.host_max_bytes "
+            f"({runtime.max_num_bytes - kv.host_max_bytes}): the host tier and the prefix cache "
+            "are both part of that budget",
         )
     return DeviceProfile(
         name=name,
@@ -973,6 +984,7 @@ def describe(profile: DeviceProfile) -> str:
         "kv",
         row("host tier", _size_text(kv.host_max_bytes) if kv.host_max_bytes else "off"),
         row("disk tier", _size_text(kv.disk_max_bytes) if kv.disk_max_bytes else "off"),
+        row("prefix cache", _size_text(kv.prefix_max_bytes) if kv.prefix_max_bytes else "off"),
         row("preallocate", "yes" if kv.preallocate else "no"),
     ]
     return "\n".join(line.rstrip() for line in lines)

@@ -14,7 +14,6 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,17 +22,27 @@ from pathlib import Path
 from agent.engine.generation import Generation
 from agent.engine.sampler import Sampler, SamplingParams
 from agent.engine.scheduler import Scheduler
-from agent.engine.types import Completion, GenerateRequest, RequestStats, TokenEvent
+from agent.engine.sessions import KVPool, Session, SessionStore, open_disk_tier
+from agent.engine.types import (
+    Completion,
+    GenerateRequest,
+    RequestStats,
+    SessionInfo,
+    TierStats,
+    TokenEvent,
+)
 from agent.errors import (
     AgentError,
     ContextOverflow,
     InvalidRequest,
     ModelFormatError,
-    NotFound,
     Overloaded,
     SessionBusy,
+    SessionLost,
     Unavailable,
 )
+from agent.kv.prefix import PrefixCache
+from agent.kv.snapshot import KVSnapshot
 from agent.modeldir import ModelMeta, Variant, load_model_dir, sha256_file
 from agent.profile import DeviceProfile, choose_quantization
 from agent.runtime import litert
@@ -72,19 +81,10 @@ class EngineLimits:
     max_active: int = 4  # requests holding a KV slot at once (also bounded by the budget)
     queue_capacity: int = 16  # requests waiting for a slot
     max_pending_events: int = 64  # events a slow consumer may leave unread before a pause
-    max_sessions: int = 8  # conversations whose KV stays resident between turns
+    max_sessions: int = 64  # live sessions in all tiers; also caps the bound ones
 
 
-@dataclass(slots=True)
-class _Session:
-    """A conversation: its tokens and the KV cache that holds them (resident, in place)."""
-
-    id: str
-    kv: litert.KVCache
-    tokens: list[int]  # the whole conversation so far
-    kv_len: int = 0  # tokens[:kv_len] are in the cache; the rest is fed on the next turn
-    busy: bool = False
-    last_used: float = 0.0
+PREFIX_BLOCK = 32  # tokens per block of the shared-prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,10 +158,12 @@ class _Prepared:
     sampling: SamplingParams
     stop: tuple[str, ...]
     deadline: float | None
-    session: _Session | None = None
+    session: Session | None = None
     new_ids: list[int] | None = None  # the turn's own tokens (sessions)
     generation: Generation | None = None
     kv: litert.KVCache | None = None
+    truncated: int = 0  # history tokens a truncate policy dropped for this turn
+    cached: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class Engine:
@@ -176,6 +178,7 @@ class Engine:
         verify: bool = True,
         prefer_interpreter: bool = False,
         limits: EngineLimits | None = None,
+        state_dir: Path | None = None,
     ) -> None:
         self.profile = profile
         self.limits = limits or EngineLimits()
@@ -205,18 +208,22 @@ class Engine:
                 f"{self.tokenizer.vocab_size}"
             )
         plan = self.loaded.memory
-        # KV slots for running requests and for resident sessions: as many as the limits ask
-        # for and the budget holds beyond the one session the load already counted.
-        spare_slots = 1 + (plan.budget - plan.total) // plan.kv_per_session
+        # KV caches for running requests and bound sessions: as many as the limits ask for and
+        # the budget holds beside the one the load counted, the host tier and the prefix cache.
+        kvc = profile.kv
+        spare = plan.budget - plan.total - kvc.host_max_bytes - kvc.prefix_max_bytes
+        spare_slots = 1 + max(0, spare) // plan.kv_per_session
         max_active = max(1, min(self.limits.max_active, spare_slots))
-        self.max_sessions = max(0, min(self.limits.max_sessions, spare_slots - max_active))
+        self.max_sessions = self.limits.max_sessions
+        bound_slots = max(0, min(self.limits.max_sessions, spare_slots - max_active))
         self.memory = litert.MemoryPlan(
             plan.weights,
             plan.packed_weights,
             plan.activations,
             plan.kv_per_session,
-            max_active + self.max_sessions,
+            max_active + bound_slots,
             plan.budget,
+            kvc.host_max_bytes + kvc.prefix_max_bytes,
         )
         self.info = ModelInfo(
             name=self.meta.name,
@@ -235,9 +242,24 @@ class Engine:
         )
         self._stop_ids = frozenset((self.meta.eos_id, *self.meta.stop_token_ids))
         self._sched: Scheduler[_Prepared] = Scheduler(max_active, self.limits.queue_capacity)
-        self._free_kv: list[litert.KVCache] = []
-        self._sessions: dict[str, _Session] = {}
-        self._kv_made = 0
+        pool = KVPool(
+            runner.new_kv,
+            self.memory.sessions,
+            profile.runtime.arena_extend_strategy == "kNextPowerOfTwo",
+        )
+        self._prefix = (
+            PrefixCache(kvc.prefix_max_bytes, PREFIX_BLOCK) if kvc.prefix_max_bytes else None
+        )
+        self._store = SessionStore(
+            runner,
+            pool,
+            variant.sha256,
+            max_sessions=self.limits.max_sessions,
+            host_budget=kvc.host_max_bytes,
+            disk=open_disk_tier(state_dir, variant.sha256, kvc.disk_max_bytes),
+            prefix=self._prefix,
+        )
+        self._pool = pool
         self._cv = threading.Condition()
         self._ids = itertools.count(1)
         self._stopping = False
@@ -248,7 +270,7 @@ class Engine:
         self._ttft: deque[float] = deque(maxlen=WINDOW)
         self._decode: deque[float] = deque(maxlen=WINDOW)
         if profile.kv.preallocate:
-            self._grow_kv(self.memory.sessions)
+            pool.grow(self.memory.sessions)
         self._thread = threading.Thread(target=self._loop, name="edge-agent-engine", daemon=True)
         self._thread.start()
 
@@ -302,65 +324,93 @@ class Engine:
             raise InvalidRequest("prompt is empty")
         new = self.tokenizer.encode(request.prompt)
         with self._cv:
-            session = self._sessions.get(request.session_id or "")
-            if session is None:
-                raise NotFound(f"unknown session {request.session_id!r}")
+            session = self._store.get(request.session_id or "", request.owner)
             if session.busy:
                 raise SessionBusy(f"session {session.id} already has a request running")
             if request.add_bos and not session.tokens:
                 new = [self.meta.bos_id, *new]
-            total = len(session.tokens) + len(new)
-            if total >= self.info.context_length:
-                raise ContextOverflow(total, self.info.context_length)
+            dropped = self._fit_context(session, new, max_tokens)
+            self._store.prepare(session)
+            if session.tokens:
+                self._store.note_resume(dropped == 0)
             feed = session.tokens[session.kv_len :] + new
             session.busy = True
         p = _Prepared(handle, feed, max_tokens, sampling, request.stop, deadline, session, new)
+        p.truncated = dropped
         return p
+
+    def _fit_context(self, s: Session, new: list[int], max_tokens: int) -> int:
+        """Make room for a turn under the session's policy; returns the tokens dropped.
+
+        `error`: a turn that does not fit is refused with both numbers. `truncate`: the first
+        turn (the system prompt) and the most recent turns that fit are kept, room is left for
+        the answer (up to a quarter of the context), and what follows the first turn is
+        prefilled again at its new positions."""
+        ctx = self.info.context_length
+        total = len(s.tokens) + len(new)
+        if total < ctx:
+            return 0
+        if s.policy != "truncate":
+            raise ContextOverflow(total, ctx)
+        reserve = min(max_tokens, ctx // 4)
+        head = s.turns[1] if len(s.turns) > 1 else len(s.tokens)  # the end of the first turn
+        fits = [t for t in s.turns[1:] if head + len(s.tokens) - t + len(new) + reserve <= ctx]
+        keep_from = fits[0] if fits else len(s.tokens)
+        if head + len(s.tokens) - keep_from + len(new) >= ctx:
+            raise ContextOverflow(head + len(new), ctx)
+        dropped = keep_from - head
+        if dropped > 0:
+            kept = s.tokens[keep_from:]
+            s.turns = s.turns[:1] + [head + t - keep_from for t in s.turns if t >= keep_from]
+            s.tokens = s.tokens[:head] + kept
+            s.kv_len = min(s.kv_len, head)
+            log.info(
+                "session %s: %d tokens of history dropped to fit the context (truncate)",
+                s.id,
+                dropped,
+                extra={"session_id": s.id},
+            )
+        return dropped
 
     # ------------------------------------------------------------------ sessions
 
-    def create_session(self) -> str:
-        """A new, empty conversation whose KV stays resident between turns.
-
-        When `max_sessions` are open, the least recently used idle one is closed to make room
-        (the sessions issue spills it to host memory and disk instead)."""
+    def create_session(self, owner: str = "", policy: str = "error") -> str:
+        """A new, empty conversation (policy `error` or `truncate` for a full context). When
+        `max_sessions` are live, the least recently used idle one is dropped."""
         with self._cv:
-            if len(self._sessions) >= self.max_sessions:
-                idle = [s for s in self._sessions.values() if not s.busy]
-                if not idle or self.max_sessions == 0:
-                    raise Overloaded(f"all {self.max_sessions} sessions are busy; try again later")
-                victim = min(idle, key=lambda s: s.last_used)
-                self._close_session(victim)
-                log.info("session %s closed to make room (least recently used)", victim.id)
-            sid = uuid.uuid4().hex[:16]
-            self._sessions[sid] = _Session(sid, self._take_kv(), [], last_used=time.monotonic())
+            sid = self._store.create(owner, policy).id
         log.info("session %s created", sid, extra={"session_id": sid})
         return sid
 
-    def delete_session(self, session_id: str) -> None:
+    def fork_session(self, session_id: str, owner: str = "") -> str:
+        """A new session with the conversation so far and a copy of its KV; the parent is
+        unaffected."""
         with self._cv:
-            session = self._sessions.get(session_id)
-            if session is None:
-                raise NotFound(f"unknown session {session_id!r}")
-            if session.busy:
-                raise SessionBusy(f"session {session_id} has a request running")
-            self._close_session(session)
+            child = self._store.fork(self._store.get(session_id, owner)).id
+        log.info("session %s forked from %s", child, session_id, extra={"session_id": child})
+        return child
+
+    def delete_session(self, session_id: str, owner: str = "") -> None:
+        with self._cv:
+            self._store.delete(self._store.get(session_id, owner))
         log.info("session %s deleted", session_id, extra={"session_id": session_id})
 
-    def session_tokens(self, session_id: str) -> list[int]:
+    def list_sessions(self, owner: str | None = None) -> list[SessionInfo]:
+        """The sessions of `owner` (None: everyone's), in creation order."""
         with self._cv:
-            session = self._sessions.get(session_id)
-            if session is None:
-                raise NotFound(f"unknown session {session_id!r}")
-            return list(session.tokens)
+            return self._store.infos(owner)
+
+    def session_tokens(self, session_id: str, owner: str = "") -> list[int]:
+        with self._cv:
+            return list(self._store.get(session_id, owner).tokens)
 
     def session_count(self) -> int:
         with self._cv:
-            return len(self._sessions)
+            return len(self._store.sessions)
 
-    def _close_session(self, session: _Session) -> None:
-        del self._sessions[session.id]
-        self._free_kv.append(session.kv)
+    def tier_stats(self) -> TierStats:
+        with self._cv:
+            return self._store.stats()
 
     # ------------------------------------------------------------------ public API
 
@@ -484,6 +534,8 @@ class Engine:
             self._closed = True
             self._cv.notify()
         self._thread.join(timeout=5.0)
+        with self._cv:
+            self._store.persist_all()
         return drained
 
     def close(self) -> None:
@@ -493,57 +545,76 @@ class Engine:
 
     # ------------------------------------------------------------------ engine thread
 
-    def _take_kv(self) -> litert.KVCache:
-        """A KV cache from the pool, growing it as the profile's arena_extend_strategy says:
-        kNextPowerOfTwo doubles the pool (fewer, larger growth steps), kSameAsRequested adds
-        exactly one. Never beyond the slots the memory plan counted."""
-        if not self._free_kv:
-            cap = self.memory.sessions
-            if self._kv_made >= cap:
-                raise Overloaded(f"all {cap} KV caches are in use")
-            doubling = self.profile.runtime.arena_extend_strategy == "kNextPowerOfTwo"
-            self._grow_kv(min(max(1, self._kv_made) if doubling else 1, cap - self._kv_made))
-        return self._free_kv.pop()
-
-    def _grow_kv(self, count: int) -> None:
-        self._free_kv.extend(self.loaded.runner.new_kv() for _ in range(count))
-        self._kv_made += count
-        log.info(
-            "KV pool grown by %d to %d caches (%.1f MiB)",
-            count,
-            self._kv_made,
-            self._kv_made * self.memory.kv_per_session / 2**20,
-        )
-
     def kv_pool_size(self) -> int:
         """KV caches allocated so far (free and in use)."""
         with self._cv:
-            return self._kv_made
+            return self._pool.made
 
     def _admit(self) -> None:
         for p in self._sched.drop_waiting(lambda p: not p.handle.cancel_event.is_set()):
             self._totals["cancelled"] += 1
             if p.session is not None:
                 p.session.busy = False
+                self._store.unstage(p.session)
             p.handle.emit(TokenEvent("", finish_reason="cancelled", stats=_empty_stats(p)))
         for p in self._sched.admit():
-            p.kv = p.session.kv if p.session is not None else self._take_kv()
+            try:
+                start = self._bind(p)
+            except (SessionLost, Overloaded) as exc:
+                self._sched.finish(p)
+                if p.session is not None:
+                    p.session.busy = False
+                self._totals["failed"] += 1
+                p.handle.emit(
+                    TokenEvent("", finish_reason="error", stats=_empty_stats(p), error=str(exc))
+                )
+                continue
+            assert p.kv is not None
             p.generation = Generation(
                 self.loaded.runner,
                 p.kv,
                 self.tokenizer.stream(),
-                p.ids,
-                start_pos=p.session.kv_len if p.session is not None else 0,
+                p.ids[p.cached :],
+                start_pos=start,
                 max_tokens=p.max_tokens,
                 sampler=Sampler(p.sampling),
                 stop=p.stop,
                 stop_ids=self._stop_ids,
                 prefill_chunk=self.profile.generation.prefill_chunk,
                 vocab=self.tokenizer.vocab_size,
+                cached_tokens=p.cached + (p.session.kv_len if p.session is not None else 0),
+                truncated_tokens=p.truncated,
                 cancel=p.handle.cancel_event,
                 deadline=p.deadline,
                 queued_at=p.handle.submitted_at,
             )
+
+    def _bind(self, p: _Prepared) -> int:
+        """Give an admitted request its KV cache; returns the first row it writes. A session
+        brings its own (restored if it was spilled); a fresh prompt may start from a cached
+        prefix."""
+        if p.session is not None:
+            p.kv = self._store.bind(p.session)
+            if p.session.kv_len:
+                return p.session.kv_len
+        else:
+            p.kv = self._store.take_kv()
+        if self._prefix is not None and len(p.ids) > PREFIX_BLOCK:
+            hit = self._prefix.lookup(p.ids[:-1])
+            if hit is not None:
+                self.loaded.runner.write_rows(p.kv, hit.arrays)
+                p.cached = len(hit.tokens)
+        return p.cached
+
+    def _remember_prefix(self, p: _Prepared, start: int) -> None:
+        """Offer the prompt's whole blocks to the prefix cache (rows that hold prompt only)."""
+        if self._prefix is None or start != 0 or p.kv is None:
+            return
+        n = (len(p.ids) - 1) // PREFIX_BLOCK * PREFIX_BLOCK
+        if n <= p.cached:
+            return
+        rows = self.loaded.runner.read_rows(p.kv, n)
+        self._prefix.insert(p.ids[:n], KVSnapshot(self.info.sha256, tuple(p.ids[:n]), rows))
 
     @staticmethod
     def _ready(p: _Prepared) -> bool:
@@ -588,15 +659,19 @@ class Engine:
         with self._cv:
             self._sched.finish(p)
             session = p.session
+            start = session.kv_len if session is not None else 0
+            if last.finish_reason in ("stop", "length"):
+                self._remember_prefix(p, start)
             if session is not None:
                 gen = p.generation
                 assert gen is not None and p.new_ids is not None
+                session.turns.append(len(session.tokens))
                 session.tokens += p.new_ids + gen.generated
                 session.kv_len = gen.kv_rows
                 session.busy = False
-                session.last_used = time.monotonic()
+                session.last_used = time.time()
             elif p.kv is not None:
-                self._free_kv.append(p.kv)
+                self._store.give_kv(p.kv)
             self._totals["total"] += 1
             if last.finish_reason == "error":
                 self._totals["failed"] += 1

@@ -61,6 +61,8 @@ class Generation:
         stop_ids: frozenset[int],
         prefill_chunk: int,
         vocab: int | None = None,
+        cached_tokens: int = 0,
+        truncated_tokens: int = 0,
         cancel: threading.Event | None = None,
         deadline: float | None = None,
         queued_at: float | None = None,
@@ -89,6 +91,8 @@ class Generation:
         # Rows past the tokenizer's vocabulary are padding (models round their embedding up):
         # never sample them.
         self._vocab = vocab if vocab is not None else runner.layout.vocab_size
+        self._cached = cached_tokens
+        self._truncated = truncated_tokens
 
     @property
     def kv_rows(self) -> int:
@@ -174,4 +178,6 @@ class Generation:
             decode_tok_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
             accelerator=self._runner.accelerator,
             queue_ms=(t0 - self._queued_at) * 1e3 if self._queued_at is not None else 0.0,
+            cached_tokens=self._cached,
+            truncated_tokens=self._truncated,
         )

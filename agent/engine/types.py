@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from agent.engine.sampler import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+SESSION_POLICIES = ("error", "truncate")  # what a turn that overflows the context does
+TIERS = ("empty", "bound", "host", "disk")  # where a session's KV lives ("empty": none yet)
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +21,7 @@ class GenerateRequest:
     stop: tuple[str, ...] = ()
     add_bos: bool = True
     session_id: str | None = None  # continue this session's conversation
+    owner: str = ""  # the caller's identity; a session answers only to the one that made it
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +35,8 @@ class RequestStats:
     decode_tok_s: float
     accelerator: str
     queue_ms: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose KV was reused (session resume, prefix cache)
+    truncated_tokens: int = 0  # history dropped by a session's truncate policy for this turn
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,3 +62,41 @@ class Completion:
     finish_reason: str
     stats: RequestStats
     events: tuple[TokenEvent, ...] = field(default=(), repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    """One session as `list` shows it."""
+
+    id: str
+    owner: str
+    tier: str  # one of TIERS
+    tokens: int
+    kv_bytes: int  # what its KV takes in its tier
+    policy: str  # one of SESSION_POLICIES
+    created: float  # unix time
+    last_used: float  # unix time
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """Sessions and bytes per KV tier, and how often each tier served a turn."""
+
+    bound_sessions: int
+    bound_bytes: int
+    host_sessions: int
+    host_bytes: int
+    host_budget: int
+    disk_sessions: int
+    disk_bytes: int
+    disk_budget: int
+    spills: int  # bound -> host or disk
+    restores_host: int
+    restores_disk: int
+    lost: int  # sessions dropped: evicted past every tier, or a bad saved file
+    resume_hits: int  # continued turns that found their KV (any tier)
+    resume_misses: int  # continued turns that had to prefill their history again
+    prefix_hits: int
+    prefix_misses: int
+    prefix_bytes: int
+    prefix_entries: int

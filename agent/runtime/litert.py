@@ -47,8 +47,9 @@ class MemoryPlan:
     packed_weights: int  # XNNPACK repacks weights into its own layout
     activations: int  # per signature, the peak of its intermediate tensors alive at once
     kv_per_session: int
-    sessions: int
+    sessions: int  # runtime KV caches (running requests and bound sessions)
     budget: int
+    spilled: int = 0  # the host KV tier and the prefix cache, at their byte budgets
 
     @property
     def total(self) -> int:
@@ -57,14 +58,18 @@ class MemoryPlan:
             + self.packed_weights
             + self.activations
             + self.kv_per_session * self.sessions
+            + self.spilled
         )
 
     def describe(self) -> str:
-        return (
+        text = (
             f"{self.total / MIB:.1f} MiB = weights {self.weights / MIB:.1f} + packed weights "
             f"{self.packed_weights / MIB:.1f} + activations {self.activations / MIB:.1f} + KV "
             f"{self.kv_per_session / MIB:.2f} x {self.sessions} session(s)"
         )
+        if self.spilled:
+            text += f" + host KV tier and prefix cache {self.spilled / MIB:.1f}"
+        return text
 
 
 class KVCache(Protocol):

@@ -1,0 +1,381 @@
+"""Sessions and the tiers their KV moves through: bound → host → disk.
+
+* **bound**: the session holds a runtime KV cache of its own, bound in place; switching between
+  bound sessions copies nothing.
+* **host**: only its used rows, in RAM, under the profile's `kv.host_max_bytes` (LRU).
+* **disk**: a checksummed file in the state directory under `kv.disk_max_bytes` (LRU); it
+  survives a restart while the model's sha256 is unchanged.
+
+A session leaves the bound tier only when its cache is needed by someone else (least recently
+used first), and comes back on its next turn. Moving copies the rows bit for bit, so a session
+continues exactly as one that never moved. Every method runs under the engine's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent.engine.types import SESSION_POLICIES, SessionInfo, TierStats
+from agent.errors import InvalidRequest, NotFound, Overloaded, SessionBusy, SessionLost
+from agent.kv.disk import DiskTier
+from agent.kv.lru import ByteLRU
+from agent.kv.prefix import PrefixCache
+from agent.kv.snapshot import KVSnapshot
+from agent.runtime.litert import KVCache, Runner
+
+log = logging.getLogger(__name__)
+
+LOST_REMEMBERED = 256  # lost session ids kept so that their client hears why
+
+
+@dataclass(slots=True)
+class Session:
+    """A conversation: its tokens, its turns, and where its KV is."""
+
+    id: str
+    owner: str
+    policy: str
+    created: float  # unix time
+    last_used: float  # unix time
+    tokens: list[int] = field(default_factory=list)  # the whole conversation so far
+    turns: list[int] = field(default_factory=list)  # where each turn starts in `tokens`
+    kv_len: int = 0  # tokens[:kv_len] are in the KV; the rest is fed on the next turn
+    busy: bool = False
+    tier: str = "empty"
+    kv: KVCache | None = None  # while bound
+    kv_bytes: int = 0
+
+    def meta(self) -> dict[str, Any]:
+        """What a disk file keeps besides the rows (JSON)."""
+        return {
+            "owner": self.owner,
+            "policy": self.policy,
+            "created": self.created,
+            "last_used": self.last_used,
+            "tokens": self.tokens,
+            "turns": self.turns,
+        }
+
+    def info(self) -> SessionInfo:
+        return SessionInfo(
+            self.id,
+            self.owner,
+            self.tier,
+            len(self.tokens),
+            self.kv_bytes,
+            self.policy,
+            self.created,
+            self.last_used,
+        )
+
+
+class KVPool:
+    """Runtime KV caches, made on demand up to `capacity`. `doubling` (kNextPowerOfTwo) grows
+    the pool by as many as it has, otherwise (kSameAsRequested) by exactly one."""
+
+    def __init__(self, make: Callable[[], KVCache], capacity: int, doubling: bool) -> None:
+        self._make = make
+        self.capacity = capacity
+        self._doubling = doubling
+        self._free: list[KVCache] = []
+        self.made = 0
+
+    def grow(self, count: int) -> None:
+        count = min(count, self.capacity - self.made)
+        self._free.extend(self._make() for _ in range(count))
+        self.made += count
+        if count:
+            log.info("KV pool grown by %d to %d caches", count, self.made)
+
+    def take(self) -> KVCache | None:
+        """A free cache, or None when all `capacity` are in use."""
+        if not self._free and self.made < self.capacity:
+            self.grow(max(1, self.made) if self._doubling else 1)
+        return self._free.pop() if self._free else None
+
+    def give(self, kv: KVCache) -> None:
+        self._free.append(kv)
+
+
+class SessionStore:
+    """All sessions of one engine and the movement of their KV between tiers."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        pool: KVPool,
+        model_sha256: str,
+        *,
+        max_sessions: int,
+        host_budget: int,
+        disk: DiskTier | None,
+        prefix: PrefixCache | None,
+    ) -> None:
+        self._runner = runner
+        self._pool = pool
+        self._sha = model_sha256
+        self.max_sessions = max_sessions
+        self._host: ByteLRU[str, KVSnapshot] = ByteLRU(host_budget)
+        self._disk = disk
+        self.prefix = prefix
+        self.sessions: dict[str, Session] = {}
+        self._lost: dict[str, str] = {}
+        self._staged: dict[str, KVSnapshot] = {}  # read from disk for a turn not yet admitted
+        self._n = dict.fromkeys(
+            ("spills", "restores_host", "restores_disk", "lost", "hits", "misses"), 0
+        )
+        if disk is not None:
+            for e in disk.entries():
+                m = e.meta
+                self.sessions[e.key] = Session(
+                    e.key,
+                    str(m.get("owner", "")),
+                    str(m.get("policy", "error")),
+                    float(m.get("created", 0.0)),
+                    float(m.get("last_used", 0.0)),
+                    [int(t) for t in m.get("tokens", [])],
+                    [int(t) for t in m.get("turns", [])],
+                    kv_len=e.tokens,
+                    tier="disk",
+                    kv_bytes=e.nbytes,
+                )
+            if self.sessions:
+                log.info("%d saved sessions found in %s", len(self.sessions), disk.dir)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def create(self, owner: str, policy: str) -> Session:
+        if policy not in SESSION_POLICIES:
+            raise InvalidRequest(f"session policy {policy!r} is not one of {SESSION_POLICIES}")
+        if len(self.sessions) >= self.max_sessions:
+            idle = [s for s in self.sessions.values() if not s.busy]
+            if not idle:
+                raise Overloaded(f"all {self.max_sessions} sessions are busy; try again later")
+            self._drop(min(idle, key=lambda s: s.last_used), "the session limit was reached")
+        now = time.time()
+        s = Session(uuid.uuid4().hex, owner, policy, now, now)
+        self.sessions[s.id] = s
+        return s
+
+    def get(self, session_id: str, owner: str) -> Session:
+        """The caller's session; another owner's is as unknown as a missing one."""
+        s = self.sessions.get(session_id)
+        if s is None or s.owner != owner:
+            why = self._lost.get(session_id)
+            if why is not None:
+                raise SessionLost(session_id, why)
+            raise NotFound(f"unknown session {session_id!r}")
+        return s
+
+    def fork(self, parent: Session) -> Session:
+        """A new session with the parent's conversation and a copy of its KV rows."""
+        if parent.busy:
+            raise SessionBusy(f"session {parent.id} has a request running")
+        child = self.create(parent.owner, parent.policy)
+        child.tokens, child.turns = list(parent.tokens), list(parent.turns)
+        snap = self._snapshot_of(parent)
+        if snap is not None:
+            child.kv_len = len(snap.tokens)
+            self._to_host(child, snap)
+        return child
+
+    def delete(self, s: Session) -> None:
+        if s.busy:
+            raise SessionBusy(f"session {s.id} has a request running")
+        self._forget(s)
+        del self.sessions[s.id]
+
+    def infos(self, owner: str | None) -> list[SessionInfo]:
+        return [s.info() for s in self.sessions.values() if owner is None or s.owner == owner]
+
+    # ------------------------------------------------------------------ tiers
+
+    def take_kv(self) -> KVCache:
+        """A runtime cache: a free one, or the one of the least recently used idle bound
+        session, which moves down a tier."""
+        kv = self._pool.take()
+        if kv is not None:
+            return kv
+        bound = [s for s in self.sessions.values() if s.tier == "bound" and not s.busy]
+        if not bound:
+            raise Overloaded(f"all {self._pool.capacity} KV caches are in use")
+        victim = min(bound, key=lambda s: s.last_used)
+        self.spill(victim)
+        kv = self._pool.take()
+        assert kv is not None  # the spill gave one back
+        return kv
+
+    def give_kv(self, kv: KVCache) -> None:
+        self._pool.give(kv)
+
+    def spill(self, s: Session) -> None:
+        """Bound → host (→ disk when the host tier is full or off)."""
+        assert s.kv is not None
+        snap = self._read(s.kv, s.tokens[: s.kv_len])
+        self._pool.give(s.kv)
+        s.kv = None
+        self._n["spills"] += 1
+        self._to_host(s, snap)
+
+    def prepare(self, s: Session) -> None:
+        """Before a turn, on the caller's thread: a session on disk is read and checked now,
+        so that a bad file is the caller's error (SessionLost), not a failed stream. The rows
+        wait, staged, until the turn is admitted (or dropped by `unstage`)."""
+        if s.tier == "disk" and s.id not in self._staged:
+            self._staged[s.id] = self._load_disk(s)
+
+    def unstage(self, s: Session) -> None:
+        """A prepared turn that never ran: its session stays where it was."""
+        self._staged.pop(s.id, None)
+
+    def note_resume(self, hit: bool) -> None:
+        """A continued turn found its history's KV (hit) or had to prefill some again."""
+        self._n["hits" if hit else "misses"] += 1
+
+    def bind(self, s: Session) -> KVCache:
+        """The session's own runtime cache, restoring its rows if it was spilled."""
+        if s.kv is not None:
+            return s.kv
+        snap = None
+        if s.tier == "host":
+            snap = self._host.pop(s.id)
+            self._n["restores_host"] += 1
+        elif s.tier == "disk":
+            snap = self._staged.pop(s.id, None) or self._load_disk(s)
+            assert self._disk is not None
+            self._disk.delete(s.id)
+            self._n["restores_disk"] += 1
+        s.tier = "empty"  # in transit: no spill below can pick it
+        try:
+            kv = self.take_kv()
+        except Overloaded:
+            if snap is not None:
+                self._to_host(s, snap)
+            raise
+        if snap is not None:
+            self._runner.write_rows(kv, snap.arrays)
+        s.kv, s.tier, s.kv_bytes = kv, "bound", kv.nbytes
+        return kv
+
+    def persist_all(self) -> None:
+        """At shutdown: every session with KV goes to disk, so that it survives the restart."""
+        if self._disk is None or self._disk.disabled:
+            return
+        for s in list(self.sessions.values()):
+            if s.tier in ("bound", "host") and not s.busy:
+                snap = (
+                    self._read(s.kv, s.tokens[: s.kv_len])
+                    if s.kv is not None
+                    else self._host.pop(s.id)
+                )
+                if s.kv is not None:
+                    self._pool.give(s.kv)
+                    s.kv = None
+                if snap is not None:
+                    self._to_disk(s, snap)
+
+    def stats(self) -> TierStats:
+        by = {t: [s for s in self.sessions.values() if s.tier == t] for t in ("bound", "disk")}
+        disk = self._disk
+        p = self.prefix
+        return TierStats(
+            bound_sessions=len(by["bound"]),
+            bound_bytes=sum(s.kv_bytes for s in by["bound"]),
+            host_sessions=len(self._host),
+            host_bytes=self._host.usage_bytes,
+            host_budget=self._host.budget_bytes,
+            disk_sessions=len(by["disk"]),
+            disk_bytes=disk.usage_bytes if disk is not None else 0,
+            disk_budget=disk.budget_bytes if disk is not None else 0,
+            spills=self._n["spills"],
+            restores_host=self._n["restores_host"],
+            restores_disk=self._n["restores_disk"],
+            lost=self._n["lost"],
+            resume_hits=self._n["hits"],
+            resume_misses=self._n["misses"],
+            prefix_hits=p.hits if p is not None else 0,
+            prefix_misses=p.misses if p is not None else 0,
+            prefix_bytes=p.usage_bytes if p is not None else 0,
+            prefix_entries=p.entries if p is not None else 0,
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _read(self, kv: KVCache, tokens: list[int]) -> KVSnapshot:
+        return KVSnapshot(self._sha, tuple(tokens), self._runner.read_rows(kv, len(tokens)))
+
+    def _snapshot_of(self, s: Session) -> KVSnapshot | None:
+        if s.kv is not None:
+            return self._read(s.kv, s.tokens[: s.kv_len])
+        if s.tier == "host":
+            return self._host.peek(s.id)
+        if s.tier == "disk" and self._disk is not None:
+            return self._disk.get(s.id)[0]
+        return None
+
+    def _to_host(self, s: Session, snap: KVSnapshot) -> None:
+        s.tier, s.kv_bytes = "host", snap.nbytes
+        for sid, old in self._host.put(s.id, snap, snap.nbytes):
+            victim = self.sessions.get(sid)
+            if victim is not None:
+                self._to_disk(victim, old)
+
+    def _to_disk(self, s: Session, snap: KVSnapshot) -> None:
+        if self._disk is None:
+            self._drop(s, "its KV did not fit the host tier and the disk tier is off")
+            return
+        stored = self._disk.put(s.id, snap, s.meta())
+        for sid in stored.evicted:
+            victim = self.sessions.get(sid)
+            if victim is not None and victim is not s:
+                self._drop(victim, "evicted from the full disk tier", forget=False)
+        if not stored.ok:
+            self._drop(s, f"it could not be saved: {stored.reason}")
+            return
+        s.tier, s.kv_bytes = "disk", snap.nbytes
+
+    def _load_disk(self, s: Session) -> KVSnapshot:
+        assert self._disk is not None
+        try:
+            snap, _ = self._disk.get(s.id)
+        except SessionLost as exc:
+            self._drop(s, exc.why)
+            raise
+        return snap
+
+    def _forget(self, s: Session) -> None:
+        """Release the session's KV in whatever tier holds it."""
+        if s.kv is not None:
+            self._pool.give(s.kv)
+            s.kv = None
+        self._host.pop(s.id)
+        self._staged.pop(s.id, None)
+        if self._disk is not None and s.id in self._disk:
+            self._disk.delete(s.id)
+
+    def _drop(self, s: Session, why: str, *, forget: bool = True) -> None:
+        """A session is lost: its client hears `why` on its next call."""
+        if forget:
+            self._forget(s)
+        self.sessions.pop(s.id, None)
+        self._lost[s.id] = why
+        while len(self._lost) > LOST_REMEMBERED:
+            del self._lost[next(iter(self._lost))]
+        self._n["lost"] += 1
+        log.warning("session %s lost: %s", s.id, why, extra={"session_id": s.id})
+
+
+def open_disk_tier(state_dir: Path | None, model_sha256: str, budget: int) -> DiskTier | None:
+    """The disk tier under `state_dir`, or None when there is no state directory or budget."""
+    if state_dir is None or budget <= 0:
+        return None
+    tier = DiskTier(state_dir, model_sha256, budget)
+    if tier.disabled:
+        log.warning("disk KV tier off: %s", tier.disabled)
+    return tier
