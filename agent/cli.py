@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent import __version__
 from agent.errors import AgentError
+
+if TYPE_CHECKING:
+    from agent.rpc.client import SessionEntry
 
 log = logging.getLogger("agent.cli")
 
@@ -196,6 +202,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         socket=Path(args.socket).resolve() if args.socket else None,
         tcp=args.tcp,
+        state_dir=Path(args.state_dir).resolve() if args.state_dir else None,
     )
     log_cfg = load_config(overrides.config_path).log
     configure_logging("debug" if args.verbose else log_cfg.level, log_cfg.target)  # replaces
@@ -205,10 +212,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- client
 
 
-def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _client(args: argparse.Namespace, owned: bool = False):  # type: ignore[no-untyped-def]
+    """A client for the daemon; with the caller's client key when the command touches
+    sessions (`owned`) or a key was given."""
     from agent.rpc.client import Client
+    from agent.rpc.identity import resolve_key
 
-    return Client(args.socket, timeout=args.timeout)
+    key = resolve_key(args.client_key) if owned or args.client_key is not None else None
+    return Client(args.socket, timeout=args.timeout, client_key=key)
 
 
 def _generate_via_socket(args: argparse.Namespace, chat: list[tuple[str, str]] | None) -> int:
@@ -216,7 +227,7 @@ def _generate_via_socket(args: argparse.Namespace, chat: list[tuple[str, str]] |
 
     from agent.rpc.client import build_request, reply_json
 
-    client = _client(args)
+    client = _client(args, owned=args.session is not None)
     request = build_request(
         getattr(args, "prompt", None),
         chat,
@@ -281,19 +292,62 @@ def _client_unary(args: argparse.Namespace, call: str) -> int:
     return 0
 
 
+def _ago(seconds: float) -> str:
+    if seconds < 120:
+        return f"{max(0, round(seconds))} s ago"
+    if seconds < 7200:
+        return f"{round(seconds / 60)} min ago"
+    if seconds < 172800:
+        return f"{round(seconds / 3600)} h ago"
+    return f"{round(seconds / 86400)} d ago"
+
+
+def session_table(sessions: Sequence[SessionEntry], now: float) -> str:
+    """`session list` for people: id, tier, tokens, KiB, last use."""
+    rows = [("ID", "TIER", "TOKENS", "KiB", "LAST USE")]
+    rows += [
+        (
+            s.id,
+            s.tier,
+            str(s.tokens),
+            f"{s.kv_bytes / 1024:.0f}",
+            _ago(now - s.last_used_unix),
+        )
+        for s in sessions
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    right = (False, False, True, True, False)
+    return "\n".join(
+        "  ".join(
+            cell.rjust(w) if r else cell.ljust(w)
+            for cell, w, r in zip(row, widths, right, strict=True)
+        ).rstrip()
+        for row in rows
+    )
+
+
 def cmd_client_session(args: argparse.Namespace) -> int:
     import grpc
 
-    client = _client(args)
+    client = _client(args, owned=True)
     try:
         if args.action == "create":
-            sid = client.create_session()
-            print(json.dumps({"id": sid}) if args.json else sid)
+            sid = client.create_session(args.policy or "")
+            print(json.dumps({"id": sid, "policy": args.policy or "error"}) if args.json else sid)
+        elif args.action == "fork":
+            sid = client.fork_session(args.id)
+            print(json.dumps({"id": sid, "parent": args.id}) if args.json else sid)
+        elif args.action == "list":
+            sessions = client.list_sessions()
+            if args.json:
+                doc = {"sessions": [dataclasses.asdict(s) for s in sessions]}
+                print(json.dumps(doc, indent=2))
+            else:
+                print(session_table(sessions, time.time()))
         else:
-            if not args.id:
-                print("edge-agent: session delete needs an id", file=sys.stderr)
-                return EXIT_USAGE
             client.delete_session(args.id)
+            if args.json:
+                print(json.dumps({"deleted": args.id}))
     except grpc.RpcError as exc:
         print(f"edge-agent: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return EXIT_USAGE
@@ -361,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--socket", help="unix socket path (default: /run/edge-agent/agent.sock)")
     p.add_argument("--tcp", help="also listen on HOST:PORT (loopback unless the config allows)")
     p.add_argument("--config", help="config file (default: /etc/edge-agent/agent.toml)")
+    p.add_argument(
+        "--state-dir", help="where sessions are saved to disk (default: /var/lib/edge-agent)"
+    )
     p.set_defaults(func=cmd_run)
 
     client = sub.add_parser("client", help="talk to a running daemon")
@@ -371,6 +428,11 @@ def build_parser() -> argparse.ArgumentParser:
             "--socket", help="socket path or HOST:PORT (default: /run/edge-agent/agent.sock)"
         )
         p.add_argument("--timeout", type=float, help="deadline in seconds")
+        p.add_argument(
+            "--client-key",
+            help="who owns the sessions this command touches (default: $EDGE_AGENT_CLIENT_KEY, "
+            "else a key kept in ~/.config/edge-agent/client-key)",
+        )
 
     p = csub.add_parser("generate", help="stream a completion through the daemon")
     p.add_argument("prompt")
@@ -395,12 +457,27 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=lambda a, call=call: _client_unary(a, call))
 
-    p = csub.add_parser("session", help="create or delete a conversation session")
-    p.add_argument("action", choices=("create", "delete"))
-    p.add_argument("id", nargs="?", help="session id (for delete)")
-    client_common(p)
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_client_session)
+    session = csub.add_parser("session", help="conversation sessions: create, list, fork, delete")
+    ssub = session.add_subparsers(dest="action", required=True)
+    for name, text in (
+        ("create", "a new session; prints its id"),
+        ("list", "this client's sessions: tier, tokens, KV bytes, last use"),
+        ("fork", "a new session starting from a copy of ID's conversation; prints its id"),
+        ("delete", "delete a session"),
+    ):
+        p = ssub.add_parser(name, help=text)
+        if name in ("fork", "delete"):
+            p.add_argument("id", help="session id")
+        if name == "create":
+            p.add_argument(
+                "--policy",
+                metavar="error|truncate",
+                help="when a turn would overflow the context: refuse it (error, the default) "
+                "or drop the oldest turns after the first (truncate)",
+            )
+        client_common(p)
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(func=cmd_client_session)
 
     from agent.units import register_cli
 

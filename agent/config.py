@@ -1,9 +1,10 @@
 """The agent's own configuration (`/etc/edge-agent/agent.toml`): what is not board-specific.
 
 Board-specific settings live in device profiles; this file holds the socket, the optional TCP
-listener, limits, the model directory and logging. Parsing is pure (`parse_config`); `load_config`
-does the I/O; command-line flags are applied on top with `dataclasses.replace`. A missing
-default file means defaults; a missing file named explicitly is an error.
+listener, limits, the model directory, logging and whether clients share sessions. Parsing is
+pure (`parse_config`); `load_config` does the I/O; command-line flags are applied on top with
+`dataclasses.replace`. A missing default file means defaults; a missing file named explicitly is
+an error.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ DEFAULT_SOCKET = Path("/run/edge-agent/agent.sock")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_TARGETS = ("auto", "journald", "stderr")
 
-TOP = ("server", "limits", "model", "log", "watchdog")
+TOP = ("server", "limits", "model", "log", "watchdog", "sessions")
 SERVER = ("socket", "socket_mode", "socket_group", "tcp", "allow_remote_tcp", "max_message_bytes")
 LIMITS = (
     "max_sessions",
@@ -35,6 +36,7 @@ LIMITS = (
 MODEL = ("path", "quantization")
 LOG = ("level", "target")
 WATCHDOG = ("engine_stall_s", "tick_s")
+SESSIONS = ("share",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +78,13 @@ class WatchdogConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SessionsConfig:
+    # true: every client sees, continues and deletes every session (one shared namespace);
+    # false: a session answers only to the client key that created it (docs/API.md)
+    share: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class AgentConfig:
     source: str = "<defaults>"
     server: ServerConfig = ServerConfig()
@@ -83,6 +92,7 @@ class AgentConfig:
     model: ModelConfig = ModelConfig()
     log: LogConfig = LogConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
+    sessions: SessionsConfig = SessionsConfig()
 
 
 def check_tcp(source: str, key: str, value: str, allow_remote: bool) -> str:
@@ -166,7 +176,11 @@ def parse_config(data: Mapping[str, object], source: str) -> AgentConfig:
             else d.watchdog.engine_stall_s,
             tick_s=w.number("tick_s", 0.05, 60) if "tick_s" in w.raw else d.watchdog.tick_s,
         )
-    return AgentConfig(source, server, limits, model, log, watchdog)
+    st = top.table("sessions", SESSIONS, required=False)
+    sessions = d.sessions
+    if st is not None:
+        sessions = SessionsConfig(share=st.flag("share", default=d.sessions.share))
+    return AgentConfig(source, server, limits, model, log, watchdog, sessions)
 
 
 def _is_mode(text: str) -> bool:

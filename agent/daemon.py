@@ -33,6 +33,7 @@ from agent.systemd import Notifier
 
 log = logging.getLogger(__name__)
 
+DEFAULT_STATE_DIR = Path("/var/lib/edge-agent")  # systemd's StateDirectory=edge-agent
 FAULT_ENV = "EDGE_AGENT_FAULT_INJECTION"  # "1": SIGUSR2 stalls the engine thread (tests only)
 
 
@@ -46,6 +47,7 @@ class Overrides:
     quantization: str | None = None
     socket: Path | None = None
     tcp: str | None = None
+    state_dir: Path | None = None
 
 
 def _apply(config: AgentConfig, o: Overrides) -> AgentConfig:
@@ -73,6 +75,7 @@ class _Plan:
     model_dir: Path
     quantization: str | None
     limits: EngineLimits
+    state_dir: Path
 
 
 def _plan(config: AgentConfig, overrides: Overrides) -> _Plan:
@@ -86,11 +89,18 @@ def _plan(config: AgentConfig, overrides: Overrides) -> _Plan:
         model_dir,
         config.model.quantization,
         EngineLimits(lim.max_active, lim.queue_capacity, lim.max_pending_events, lim.max_sessions),
+        overrides.state_dir or DEFAULT_STATE_DIR,
     )
 
 
 def _build(plan: _Plan) -> Engine:
-    return Engine(plan.profile, plan.model_dir, quantization=plan.quantization, limits=plan.limits)
+    return Engine(
+        plan.profile,
+        plan.model_dir,
+        quantization=plan.quantization,
+        limits=plan.limits,
+        state_dir=plan.state_dir,
+    )
 
 
 class Daemon:
@@ -130,6 +140,7 @@ class Daemon:
             model=f"{e.info.name} {e.info.version} {e.info.quantization}",
             active_sessions=e.session_count(),
             engine=e.stats(),
+            kv=e.tier_stats(),
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -247,6 +258,8 @@ class Daemon:
                 self._state = "reloading"
                 if not self._fits_beside(plan):
                     await self._drain_current(server)
+                elif self._engine is not None:
+                    self._engine.hand_over_sessions()
                 new = await self._load(plan)
                 await server.set_serving(False)
                 old, self._engine, self._plan = self._engine, new, plan

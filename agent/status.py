@@ -5,10 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agent.engine.engine import EngineStats
+from agent.engine.types import TierStats
 
 
 @dataclass(frozen=True, slots=True)
 class AgentStatus:
+    """Everything GetStatus reports, taken at one moment."""
+
     profile: str
     version: str
     state: str  # "starting" | "serving" | "reloading" | "stopping"
@@ -19,6 +22,7 @@ class AgentStatus:
     model: str
     active_sessions: int
     engine: EngineStats
+    kv: TierStats | None = None  # sessions and bytes per KV tier (None: not reported)
 
 
 def rss_bytes() -> int:

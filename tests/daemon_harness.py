@@ -97,6 +97,8 @@ class Daemon:
                 str(self.socket),
                 "--config",
                 str(self.config),
+                "--state-dir",
+                str(tmp / "state"),
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,

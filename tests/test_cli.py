@@ -114,3 +114,59 @@ def test_model_inspect_reports_layout_and_quantization(tiny_model_dir: Path) -> 
     assert by_quant["int8"]["size"] < by_quant["fp32"]["size"] / 2
     text = cli("model", "inspect", str(tiny_model_dir)).stdout
     assert "KV layout   transposed" in text and "fused ops" in text
+
+
+def test_client_key_file_is_private_and_stable(tmp_path: Path) -> None:
+    from agent.rpc.identity import load_or_create_key, owner_of
+
+    path = tmp_path / "cfg" / "edge-agent" / "client-key"
+    key = load_or_create_key(path)
+    assert len(key) == 64 and key == load_or_create_key(path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    assert [p.name for p in path.parent.iterdir()] == ["client-key"]  # no temporary left
+    owner = owner_of(key)
+    assert len(owner) == 32 and key not in owner and owner == owner_of(key)
+    assert owner != owner_of(key + "x") and owner_of("") == ""
+
+
+def test_client_key_comes_from_flag_env_or_file(tmp_path: Path, monkeypatch) -> None:
+    from agent.rpc.identity import KEY_ENV, resolve_key
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    from_file = resolve_key(None)
+    assert (tmp_path / "edge-agent" / "client-key").read_text().strip() == from_file
+    monkeypatch.setenv(KEY_ENV, "from-env")
+    assert resolve_key(None) == "from-env"
+    assert resolve_key("from-flag") == "from-flag"
+
+
+def test_bad_client_key_is_refused_before_connecting(tmp_path: Path) -> None:
+    r = cli(
+        "client",
+        "session",
+        "list",
+        "--socket",
+        str(tmp_path / "none.sock"),
+        "--client-key",
+        "k\u00e9y",
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "printable ASCII" in r.stderr
+
+
+def test_session_table() -> None:
+    from agent.cli import session_table
+    from agent.rpc.client import SessionEntry
+
+    now = 1_000_000.0
+    rows = [
+        SessionEntry("a1", "bound", 42, 43008, "error", now - 600, now - 5),
+        SessionEntry("b2", "disk", 1000, 1 << 20, "truncate", now - 90000, now - 7300),
+    ]
+    assert session_table(rows, now).splitlines() == [
+        "ID  TIER   TOKENS   KiB  LAST USE",
+        "a1  bound      42    42  5 s ago",
+        "b2  disk     1000  1024  2 h ago",
+    ]

@@ -48,6 +48,8 @@ target = "stderr"
 [watchdog]
 engine_stall_s = 3
 tick_s = 0.5
+[sessions]
+share = true
 """
     )
     cfg = load_config(f)
@@ -59,6 +61,8 @@ tick_s = 0.5
     assert cfg.model.quantization == "int8"
     assert (cfg.log.level, cfg.log.target) == ("debug", "stderr")
     assert (cfg.watchdog.engine_stall_s, cfg.watchdog.tick_s) == (3.0, 0.5)
+    assert cfg.sessions.share is True
+    assert AgentConfig().sessions.share is False  # sessions are per client unless shared
 
 
 @pytest.mark.parametrize(
@@ -74,6 +78,8 @@ tick_s = 0.5
         ({"limits": {"queue_capacity": "8"}}, "limits.queue_capacity", "an integer"),
         ({"log": {"level": "loud"}}, "log.level", "'debug', 'info'"),
         ({"watchdog": {"tick_s": 0}}, "watchdog.tick_s", "from 0.05"),
+        ({"sessions": {"share": "yes"}}, "sessions.share", "true or false"),
+        ({"sessions": {"shared": True}}, "sessions.shared", "did you mean 'share'"),
     ],
 )
 def test_errors_name_file_key_value_and_rule(doc, key, fragment) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from agent.pb.edge_agent.v1 import agent_pb2_grpc as pb_grpc
-from agent.rpc.client import build_request
+from agent.rpc.client import Client, SessionEntry, build_request
 from tests.daemon_harness import Daemon
 
 
@@ -284,6 +284,7 @@ def test_sighup_reload_that_does_not_fit_beside_drains_first(tmp_path) -> None:
     one = estimate_memory(dev, demo_model_dir(), "int8")
     text = (profiles_dir() / "generic-x86_64.toml").read_text()
     text = re.sub(r"(?m)^max_num_bytes = .*$", f"max_num_bytes = {one + one // 8}", text)
+    text = re.sub(r"(?m)^(host|prefix)_max_bytes = .*$", r"\1_max_bytes = 0", text)
     (tmp_path / "p").mkdir()
     profile = tmp_path / "p" / "generic-x86_64.toml"
     profile.write_text(text)
@@ -390,7 +391,10 @@ def test_sessions_over_grpc(daemon: Daemon) -> None:
     two = c.generate(req("\n", n=4, session=sid))
     assert one.finish_reason in ("length", "stop") and two.finish_reason in ("length", "stop")
     assert int(two.stats["prompt_tokens"]) <= 2  # the turn only, not the history
-    assert int(c.status()["active_sessions"]) >= 1
+    assert int(two.stats.get("cached_tokens", 0)) > 0  # the history's KV was reused
+    st = c.status()
+    assert int(st["active_sessions"]) >= 1
+    assert int(st["kv"]["resume_hits"]) >= 1
     c.delete_session(sid)
     with pytest.raises(grpc.RpcError) as err:
         c.delete_session(sid)
@@ -438,3 +442,196 @@ def test_tcp_only_on_loopback(tiny_model_dir, tmp_path) -> None:
         timeout=120,
     )
     assert r.returncode == 2 and "a loopback address" in r.stderr
+
+
+# ----------------------------------------------------------------------------- sessions
+
+
+def keyed(d: Daemon, key: str) -> Client:
+    """A client with its own client key: it sees and uses only its own sessions."""
+    return Client(str(d.socket), timeout=60, client_key=key)
+
+
+def greedy(prompt: str, session: str, n: int = 4) -> pb.GenerateRequest:
+    return req(prompt, n=n, temperature=0.0, session=session)
+
+
+def by_id(c: Client) -> dict[str, SessionEntry]:
+    return {s.id: s for s in c.list_sessions()}
+
+
+def test_session_create_list_fork_delete(daemon: Daemon) -> None:
+    c = keyed(daemon, "key-list-fork")
+    sid = c.create_session()
+    created = by_id(c)[sid]
+    assert (created.tier, created.tokens, created.policy) == ("empty", 0, "error")
+    one = c.generate(greedy("def f(x):", sid))
+    used = by_id(c)[sid]
+    assert used.tier in ("bound", "host", "disk") and used.kv_bytes > 0
+    assert used.tokens == int(one.stats["prompt_tokens"]) + int(one.stats["generated_tokens"])
+    assert used.created_unix <= used.last_used_unix <= time.time()
+    child = c.fork_session(sid)
+    listed = by_id(c)
+    assert child != sid and listed[child].tokens == listed[sid].tokens
+    # the child writes something else first; the parent must not notice
+    forked = c.generate(greedy(" = 1\nreturn", child))
+    parent = c.generate(greedy("\n", sid))
+    controls = []
+    for turn in ("\n", " = 1\nreturn"):  # unforked copies of the same conversation
+        copy = c.create_session()
+        controls.append(copy)
+        assert c.generate(greedy("def f(x):", copy)).tokens == one.tokens
+        want = c.generate(greedy(turn, copy))
+        assert (parent if turn == "\n" else forked).tokens == want.tokens, turn
+    assert int(forked.stats.get("cached_tokens", 0)) > 0  # the fork reused the parent's KV
+    for s in (sid, child, *controls):
+        c.delete_session(s)
+    assert not {sid, child, *controls} & set(by_id(c))
+    with pytest.raises(grpc.RpcError) as err:
+        c.fork_session(sid)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_sessions_belong_to_their_client_key(daemon: Daemon) -> None:
+    alice = keyed(daemon, "key-alice-5f1e")
+    bob = keyed(daemon, "key-bob-90c2")
+    anonymous = daemon.client()
+    sid = alice.create_session()
+    alice.generate(greedy("def f(x):", sid, n=3))
+    calls = {
+        "generate": lambda c: list(c.stream(greedy("\n", sid))),
+        "fork": lambda c: c.fork_session(sid),
+        "delete": lambda c: c.delete_session(sid),
+    }
+    for other in (bob, anonymous):
+        assert sid not in by_id(other)
+        for name, call in calls.items():
+            with pytest.raises(grpc.RpcError) as err:
+                call(other)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND, name
+            assert err.value.details() == f"unknown session {sid!r}", name  # same as no session
+    assert sid in by_id(alice)
+    assert alice.generate(greedy("\n", sid)).finish_reason in ("length", "stop")
+    alice.delete_session(sid)
+    assert "key-alice" not in daemon.read_log()  # keys are hashed before anything sees them
+
+
+def test_shared_sessions_are_everyones(tiny_model_dir, tmp_path) -> None:
+    d = Daemon(tmp_path, tiny_model_dir, "[sessions]\nshare = true\n")
+    try:
+        alice, bob = keyed(d, "key-alice"), keyed(d, "key-bob")
+        sid = alice.create_session()
+        assert sid in by_id(bob) and sid in by_id(d.client())
+        assert bob.generate(greedy("def f(x):", sid)).finish_reason in ("length", "stop")
+        assert by_id(alice)[sid].tokens > 0
+        bob.delete_session(sid)
+        assert sid not in by_id(alice)
+    finally:
+        assert d.stop() == 0, d.read_log()
+
+
+def test_session_policy(daemon: Daemon) -> None:
+    c = keyed(daemon, "key-policy")
+    with pytest.raises(grpc.RpcError) as err:
+        c.create_session("forever")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'forever'" in err.value.details() and "truncate" in err.value.details()
+    strict, lenient = c.create_session("error"), c.create_session("truncate")
+    assert by_id(c)[lenient].policy == "truncate"
+    turn = "x = 1\ny = 2\nz = 3\n"
+    overflow = None
+    for _ in range(40):  # the context is 128 tokens: a few turns fill it
+        try:
+            c.generate(greedy(turn, strict, n=8))
+        except grpc.RpcError as exc:
+            overflow = exc
+            break
+    assert overflow is not None and overflow.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "context holds 128" in overflow.details()
+    truncated = 0
+    for _ in range(40):
+        reply = c.generate(greedy(turn, lenient, n=8))
+        truncated = int(reply.stats.get("truncated_tokens", 0))
+        if truncated:
+            break
+    assert truncated > 0 and reply.finish_reason in ("length", "stop")
+    assert by_id(c)[lenient].tokens < 128
+    c.delete_session(strict)
+    c.delete_session(lenient)
+
+
+def test_status_reports_every_kv_tier_figure(daemon: Daemon) -> None:
+    import dataclasses
+    import json
+    import subprocess
+    import sys
+
+    from agent.engine.types import TierStats
+
+    fields = {f.name for f in dataclasses.fields(TierStats)}
+    kv = daemon.client().status()["kv"]
+    assert set(kv) == fields
+    d = daemon.socket
+    r = subprocess.run(
+        [sys.executable, "-m", "agent", "client", "status", "--json", "--socket", str(d)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert set(json.loads(r.stdout)["kv"]) == fields
+
+
+def test_session_cli(daemon: Daemon, tmp_path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "EDGE_AGENT_CLIENT_KEY"}
+    env["XDG_CONFIG_HOME"] = str(tmp_path)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "agent", "client", *args, "--socket", str(daemon.socket)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+
+    created = cli("session", "create", "--policy", "truncate", "--json")
+    assert created.returncode == 0, created.stderr
+    sid = json.loads(created.stdout)["id"]
+    key = tmp_path / "edge-agent" / "client-key"
+    assert key.stat().st_mode & 0o777 == 0o600  # made on first use
+    turn = cli("generate", "def f(x):", "--session", sid, "--max-tokens", "3", "--json")
+    assert turn.returncode == 0, turn.stderr
+    forked = cli("session", "fork", sid, "--json")
+    assert forked.returncode == 0, forked.stderr
+    child = json.loads(forked.stdout)
+    assert child["parent"] == sid
+    listed = json.loads(cli("session", "list", "--json").stdout)["sessions"]
+    rows = {s["id"]: s for s in listed}
+    assert set(rows) == {sid, child["id"]}  # this key's sessions only
+    assert rows[sid]["policy"] == "truncate" and rows[sid]["tokens"] > 0
+    assert set(rows[sid]) == {
+        "id",
+        "tier",
+        "tokens",
+        "kv_bytes",
+        "policy",
+        "created_unix",
+        "last_used_unix",
+    }
+    table = cli("session", "list").stdout.splitlines()
+    assert table[0].split() == ["ID", "TIER", "TOKENS", "KiB", "LAST", "USE"]
+    assert {line.split()[0] for line in table[1:]} == {sid, child["id"]}
+    other = cli("session", "list", "--json", "--client-key", "someone-else")
+    assert json.loads(other.stdout)["sessions"] == []
+    foreign = cli("session", "delete", sid, "--client-key", "someone-else")
+    assert foreign.returncode == 2 and "NOT_FOUND" in foreign.stderr
+    for s in (sid, child["id"]):
+        deleted = cli("session", "delete", s, "--json")
+        assert deleted.returncode == 0 and json.loads(deleted.stdout) == {"deleted": s}
+    assert json.loads(cli("session", "list", "--json").stdout)["sessions"] == []

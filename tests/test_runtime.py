@@ -137,7 +137,10 @@ def test_plan_prefill_never_runs_past_the_cache(tiny_model_factory) -> None:
 
 def test_memory_budget_refusal_names_the_numbers(tiny_model_factory, make_profile) -> None:
     path = tiny_model_factory(layout="transposed", prefill_lens=(8,), kv_max=64)
-    profile = make_profile(runtime={"max_num_bytes": 16 * 1024 * 1024})
+    profile = make_profile(
+        runtime={"max_num_bytes": 16 * 1024 * 1024},
+        kv={"host_max_bytes": 0, "prefix_max_bytes": 0},
+    )
     # the tiny model fits in 16 MiB; a budget below its size must be refused before loading
     plan = litert.plan_memory(
         read_model_file(path), discover_layout(read_model_file(path)), profile

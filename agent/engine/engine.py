@@ -408,6 +408,12 @@ class Engine:
         with self._cv:
             return len(self._store.sessions)
 
+    def hand_over_sessions(self) -> None:
+        """Save idle sessions to the state directory and let go of it, so that the engine that
+        replaces this one (a reload) adopts them; sessions mid-turn stay here."""
+        with self._cv:
+            self._store.hand_over()
+
     def tier_stats(self) -> TierStats:
         with self._cv:
             return self._store.stats()
@@ -583,6 +589,7 @@ class Engine:
                 prefill_chunk=self.profile.generation.prefill_chunk,
                 vocab=self.tokenizer.vocab_size,
                 cached_tokens=p.cached + (p.session.kv_len if p.session is not None else 0),
+                prefix_tokens=p.cached,
                 truncated_tokens=p.truncated,
                 cancel=p.handle.cancel_event,
                 deadline=p.deadline,

@@ -62,6 +62,7 @@ class Generation:
         prefill_chunk: int,
         vocab: int | None = None,
         cached_tokens: int = 0,
+        prefix_tokens: int = 0,
         truncated_tokens: int = 0,
         cancel: threading.Event | None = None,
         deadline: float | None = None,
@@ -92,6 +93,7 @@ class Generation:
         # never sample them.
         self._vocab = vocab if vocab is not None else runner.layout.vocab_size
         self._cached = cached_tokens
+        self._prefix_tokens = prefix_tokens  # prompt tokens already in the KV (prefix cache)
         self._truncated = truncated_tokens
 
     @property
@@ -166,14 +168,17 @@ class Generation:
         prefill_s = first - t0
         decode_s = end - first
         n = len(self.generated)
-        prompt = len(self._prompt)
+        prompt = len(self._prompt) + self._prefix_tokens
         return RequestStats(
             prompt_tokens=prompt,
             generated_tokens=n,
             ttft_ms=prefill_s * 1e3 if self._t_first else 0.0,
             prefill_ms=prefill_s * 1e3,
             decode_ms=decode_s * 1e3,
-            prefill_tok_s=prompt / prefill_s if prefill_s > 0 and self._t_first else 0.0,
+            # what was actually prefilled, over the time it took
+            prefill_tok_s=(
+                len(self._prompt) / prefill_s if prefill_s > 0 and self._t_first else 0.0
+            ),
             # tokens after the first, over the time after the first
             decode_tok_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
             accelerator=self._runner.accelerator,

@@ -125,7 +125,7 @@ class SessionStore:
         self._disk = disk
         self.prefix = prefix
         self.sessions: dict[str, Session] = {}
-        self._lost: dict[str, str] = {}
+        self._lost: dict[str, tuple[str, str]] = {}  # id -> (owner, why)
         self._staged: dict[str, KVSnapshot] = {}  # read from disk for a turn not yet admitted
         self._n = dict.fromkeys(
             ("spills", "restores_host", "restores_disk", "lost", "hits", "misses"), 0
@@ -167,9 +167,9 @@ class SessionStore:
         """The caller's session; another owner's is as unknown as a missing one."""
         s = self.sessions.get(session_id)
         if s is None or s.owner != owner:
-            why = self._lost.get(session_id)
-            if why is not None:
-                raise SessionLost(session_id, why)
+            lost = self._lost.get(session_id)
+            if lost is not None and lost[0] == owner:
+                raise SessionLost(session_id, lost[1])
             raise NotFound(f"unknown session {session_id!r}")
         return s
 
@@ -177,12 +177,22 @@ class SessionStore:
         """A new session with the parent's conversation and a copy of its KV rows."""
         if parent.busy:
             raise SessionBusy(f"session {parent.id} has a request running")
-        child = self.create(parent.owner, parent.policy)
-        child.tokens, child.turns = list(parent.tokens), list(parent.turns)
         snap = self._snapshot_of(parent)
-        if snap is not None:
-            child.kv_len = len(snap.tokens)
-            self._to_host(child, snap)
+        parent.busy = True  # neither dropped for the child's room nor spilled meanwhile
+        try:
+            child = self.create(parent.owner, parent.policy)
+            child.tokens, child.turns = list(parent.tokens), list(parent.turns)
+            if snap is not None:
+                child.kv_len = len(snap.tokens)
+                try:
+                    kv = self.take_kv()
+                except Overloaded:
+                    del self.sessions[child.id]
+                    raise
+                self._runner.write_rows(kv, snap.arrays)
+                child.kv, child.tier, child.kv_bytes = kv, "bound", kv.nbytes
+        finally:
+            parent.busy = False
         return child
 
     def delete(self, s: Session) -> None:
@@ -280,6 +290,14 @@ class SessionStore:
                 if snap is not None:
                     self._to_disk(s, snap)
 
+    def hand_over(self) -> None:
+        """Before another engine takes the state directory (a reload): idle sessions are saved
+        to disk for it, and this store stops touching the directory."""
+        self.persist_all()
+        for s in [s for s in self.sessions.values() if s.tier == "disk"]:
+            del self.sessions[s.id]
+        self._disk = None
+
     def stats(self) -> TierStats:
         by = {t: [s for s in self.sessions.values() if s.tier == t] for t in ("bound", "disk")}
         disk = self._disk
@@ -364,7 +382,7 @@ class SessionStore:
         if forget:
             self._forget(s)
         self.sessions.pop(s.id, None)
-        self._lost[s.id] = why
+        self._lost[s.id] = (s.owner, why)
         while len(self._lost) > LOST_REMEMBERED:
             del self._lost[next(iter(self._lost))]
         self._n["lost"] += 1

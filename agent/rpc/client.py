@@ -1,4 +1,8 @@
-"""`edge-agent client ...`: talk to a running daemon over its socket."""
+"""`edge-agent client ...`: talk to a running daemon over its socket.
+
+`Client` sends its client key (when it has one) as `edge-agent-client` metadata on every call;
+the daemon's sessions answer only to the key that created them (`agent.rpc.identity`).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from agent.config import DEFAULT_SOCKET
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from agent.pb.edge_agent.v1 import agent_pb2_grpc as pb_grpc
+from agent.rpc.identity import METADATA_KEY, check_key
 
 FINISH_NAMES = {
     pb.FINISH_REASON_STOP: "stop",
@@ -36,6 +41,8 @@ def target_of(socket: str | None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Reply:
+    """A whole generation as the client collected it."""
+
     text: str
     tokens: list[int]
     finish_reason: str
@@ -43,17 +50,44 @@ class Reply:
     error: str
 
 
+@dataclass(frozen=True, slots=True)
+class SessionEntry:
+    """One of the caller's sessions, as ListSessions reports it."""
+
+    id: str
+    tier: str  # "empty" | "bound" | "host" | "disk"
+    tokens: int
+    kv_bytes: int
+    policy: str
+    created_unix: float
+    last_used_unix: float
+
+
 class Client:
-    def __init__(self, socket: str | None = None, timeout: float | None = None) -> None:
+    """A blocking client of one daemon. `client_key` (None: anonymous) decides which
+    sessions the calls may see and use."""
+
+    def __init__(
+        self,
+        socket: str | None = None,
+        timeout: float | None = None,
+        client_key: str | None = None,
+    ) -> None:
         self.channel = grpc.insecure_channel(target_of(socket))
         self.stub = pb_grpc.AgentStub(self.channel)  # type: ignore[no-untyped-call]
         self.timeout = timeout
+        self.metadata: tuple[tuple[str, str], ...] = (
+            ((METADATA_KEY, check_key(client_key)),) if client_key is not None else ()
+        )
 
     def close(self) -> None:
         self.channel.close()
 
+    def _call(self, method: str, request: Any) -> Any:
+        return getattr(self.stub, method)(request, timeout=self.timeout, metadata=self.metadata)
+
     def stream(self, request: pb.GenerateRequest) -> Iterator[pb.GenerateResponse]:
-        return self.stub.Generate(request, timeout=self.timeout)  # type: ignore[no-any-return]
+        return self._call("Generate", request)  # type: ignore[no-any-return]
 
     def generate(self, request: pb.GenerateRequest, echo: bool = False) -> Reply:
         text: list[str] = []
@@ -72,22 +106,43 @@ class Client:
         )
 
     def info(self) -> dict[str, Any]:
-        msg = self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
+        msg = self._call("GetModelInfo", pb.GetModelInfoRequest())
         return dict(MessageToDict(msg, preserving_proto_field_name=True))
 
     def status(self) -> dict[str, Any]:
-        msg = self.stub.GetStatus(pb.GetStatusRequest(), timeout=self.timeout)
+        """GetStatus as JSON-ready values (64-bit counters as strings, as protobuf's JSON
+        mapping has them), zeros included."""
+        msg = self._call("GetStatus", pb.GetStatusRequest())
         return dict(
             MessageToDict(
                 msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
             )
         )
 
-    def create_session(self) -> str:
-        return str(self.stub.CreateSession(pb.CreateSessionRequest(), timeout=self.timeout).id)
+    def create_session(self, policy: str = "") -> str:
+        """A new session of this client's; `policy` "" means the agent's default ("error")."""
+        return str(self._call("CreateSession", pb.CreateSessionRequest(policy=policy)).id)
+
+    def fork_session(self, session_id: str) -> str:
+        return str(self._call("ForkSession", pb.ForkSessionRequest(id=session_id)).id)
+
+    def list_sessions(self) -> list[SessionEntry]:
+        reply = self._call("ListSessions", pb.ListSessionsRequest())
+        return [
+            SessionEntry(
+                s.id,
+                s.tier,
+                s.tokens,
+                s.kv_bytes,
+                s.policy,
+                s.created_unix,
+                s.last_used_unix,
+            )
+            for s in reply.sessions
+        ]
 
     def delete_session(self, session_id: str) -> None:
-        self.stub.DeleteSession(pb.DeleteSessionRequest(id=session_id), timeout=self.timeout)
+        self._call("DeleteSession", pb.DeleteSessionRequest(id=session_id))
 
     def health(self, service: str = "") -> str:
         stub = health_pb2_grpc.HealthStub(self.channel)
@@ -138,6 +193,8 @@ def reply_json(reply: Reply) -> str:
             "accelerator": stats.get("accelerator", ""),
             "prompt_tokens": int(stats.get("prompt_tokens", 0)),
             "generated_tokens": int(stats.get("generated_tokens", 0)),
+            "cached_tokens": int(stats.get("cached_tokens", 0)),
+            "truncated_tokens": int(stats.get("truncated_tokens", 0)),
         },
     }
     if reply.error:

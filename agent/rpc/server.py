@@ -4,12 +4,16 @@ Wire messages become domain values here and never travel inward; domain errors b
 status codes through `agent.errors.GRPC_STATUS`. The engine runs on its own thread; its events
 reach the stream through `loop.call_soon_threadsafe` into a per-request asyncio queue, and the
 consumer acknowledges each event so the engine pauses a request whose client has fallen behind.
+
+Every call that touches a session runs as its caller's owner (`agent.rpc.identity`): the hash
+of the client key in the call's metadata, or "" for everyone when `[sessions] share = true`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import grp
 import logging
 import os
@@ -24,13 +28,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from agent.config import ServerConfig
+from agent.config import AgentConfig, ServerConfig
 from agent.engine.chat import ChatMessage, render_chat
 from agent.engine.engine import Engine
 from agent.engine.sampler import SamplingParams
-from agent.engine.types import GenerateRequest, TokenEvent
+from agent.engine.types import GenerateRequest, SessionInfo, TierStats, TokenEvent
 from agent.errors import AgentError, InvalidRequest, grpc_status_name
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
+from agent.rpc.identity import key_from_metadata, owner_of
 from agent.status import AgentStatus
 
 log = logging.getLogger(__name__)
@@ -51,7 +56,14 @@ class Backend(Protocol):
         """The engine serving new requests (raises Unavailable when there is none)."""
         ...
 
-    def status(self) -> AgentStatus: ...
+    def status(self) -> AgentStatus:
+        """The agent's status now (raises Unavailable before a model is loaded)."""
+        ...
+
+    @property
+    def config(self) -> AgentConfig:
+        """The configuration in force (a reload may replace it)."""
+        ...
 
 
 class _Invalid:
@@ -81,8 +93,10 @@ def _check(request: Any) -> None:
         raise InvalidRequest(request.reason)
 
 
-def to_request(msg: pb.GenerateRequest, engine: Engine, max_tokens_limit: int) -> GenerateRequest:
-    """Wire → domain, with every field checked."""
+def to_request(
+    msg: pb.GenerateRequest, engine: Engine, max_tokens_limit: int, owner: str = ""
+) -> GenerateRequest:
+    """Wire → domain, with every field checked; `owner` is the caller (see `AgentService`)."""
     which = msg.WhichOneof("input")
     if which == "chat":
         messages = [ChatMessage(m.role, m.content) for m in msg.chat.messages]
@@ -110,6 +124,7 @@ def to_request(msg: pb.GenerateRequest, engine: Engine, max_tokens_limit: int) -
         sampling=sampling,
         stop=tuple(msg.stop),
         session_id=msg.session_id or None,
+        owner=owner,
     )
 
 
@@ -128,6 +143,7 @@ def merge_events(events: list[TokenEvent]) -> TokenEvent:
 
 
 def to_response(event: TokenEvent, request_id: str) -> pb.GenerateResponse:
+    """Domain → wire: one streamed message (the last one with finish reason and stats)."""
     r = pb.GenerateResponse(text=event.text, token_ids=list(event.token_ids))
     if event.finish_reason is not None:
         r.finish_reason = FINISH[event.finish_reason]
@@ -145,14 +161,35 @@ def to_response(event: TokenEvent, request_id: str) -> pb.GenerateResponse:
                     decode_tok_s=s.decode_tok_s,
                     accelerator=s.accelerator,
                     queue_ms=s.queue_ms,
+                    cached_tokens=s.cached_tokens,
+                    truncated_tokens=s.truncated_tokens,
                 )
             )
     return r
 
 
+def session_message(info: SessionInfo) -> pb.SessionInfo:
+    """Domain → wire; the owner stays inside the agent."""
+    return pb.SessionInfo(
+        id=info.id,
+        tier=info.tier,
+        tokens=info.tokens,
+        kv_bytes=info.kv_bytes,
+        policy=info.policy,
+        created_unix=info.created,
+        last_used_unix=info.last_used,
+    )
+
+
+def tiers_message(t: TierStats) -> pb.KVTiers:
+    """Domain → wire: the fields have the same names on both sides."""
+    return pb.KVTiers(**{f.name: getattr(t, f.name) for f in dataclasses.fields(t)})
+
+
 def status_message(st: AgentStatus) -> pb.AgentStatus:
+    """Domain → wire."""
     e = st.engine
-    return pb.AgentStatus(
+    msg = pb.AgentStatus(
         profile=st.profile,
         version=st.version,
         uptime_s=st.uptime_s,
@@ -173,6 +210,9 @@ def status_message(st: AgentStatus) -> pb.AgentStatus:
         state=st.state,
         model=st.model,
     )
+    if st.kv is not None:
+        msg.kv.CopyFrom(tiers_message(st.kv))
+    return msg
 
 
 class _EventPipe:
@@ -202,11 +242,22 @@ class _EventPipe:
 
 
 class AgentService:
-    """The edge_agent.v1.Agent methods."""
+    """The edge_agent.v1.Agent methods.
+
+    Unary methods take the request and the caller's owner and return the response; the
+    adapter (`_unary`) works out the owner and maps errors to statuses.
+    """
 
     def __init__(self, backend: Backend, max_tokens_limit: int) -> None:
         self._backend = backend
         self._max_tokens = max_tokens_limit
+
+    def owner(self, context: grpc.aio.ServicerContext) -> str:
+        """Whose sessions this call may touch: "" for everyone when sessions are shared, else
+        the hash of the client key in the metadata ("" without one)."""
+        if self._backend.config.sessions.share:
+            return ""
+        return owner_of(key_from_metadata(context.invocation_metadata()))
 
     async def Generate(
         self, request: Any, context: grpc.aio.ServicerContext
@@ -215,7 +266,7 @@ class AgentService:
         try:
             _check(request)
             engine = self._backend.engine()
-            domain = to_request(request, engine, self._max_tokens)
+            domain = to_request(request, engine, self._max_tokens, self.owner(context))
             handle = engine.submit(domain, pipe.put, timeout=context.time_remaining())
         except AgentError as exc:
             log.info("generate refused: %s", exc)
@@ -236,18 +287,18 @@ class AgentService:
             if not handle.done.is_set():
                 handle.cancel()
 
-    def Tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+    def Tokenize(self, request: pb.TokenizeRequest, owner: str) -> pb.TokenizeResponse:
         engine = self._backend.engine()
         ids = engine.tokenizer.encode(request.text)
         if request.add_bos:
             ids = [engine.meta.bos_id, *ids]
         return pb.TokenizeResponse(token_ids=ids)
 
-    def Detokenize(self, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
+    def Detokenize(self, request: pb.DetokenizeRequest, owner: str) -> pb.DetokenizeResponse:
         text = self._backend.engine().tokenizer.decode(list(request.token_ids))
         return pb.DetokenizeResponse(text=text)
 
-    def GetModelInfo(self, request: pb.GetModelInfoRequest) -> pb.ModelInfo:
+    def GetModelInfo(self, request: pb.GetModelInfoRequest, owner: str) -> pb.ModelInfo:
         i = self._backend.engine().info
         return pb.ModelInfo(
             name=i.name,
@@ -263,26 +314,41 @@ class AgentService:
             fallbacks=list(i.fallbacks),
         )
 
-    def CreateSession(self, request: pb.CreateSessionRequest) -> pb.Session:
-        return pb.Session(id=self._backend.engine().create_session())
+    def CreateSession(self, request: pb.CreateSessionRequest, owner: str) -> pb.Session:
+        engine = self._backend.engine()
+        return pb.Session(id=engine.create_session(owner, request.policy or "error"))
 
-    def DeleteSession(self, request: pb.DeleteSessionRequest) -> pb.DeleteSessionResponse:
-        self._backend.engine().delete_session(request.id)
+    def ForkSession(self, request: pb.ForkSessionRequest, owner: str) -> pb.Session:
+        return pb.Session(id=self._backend.engine().fork_session(request.id, owner))
+
+    def ListSessions(self, request: pb.ListSessionsRequest, owner: str) -> pb.ListSessionsResponse:
+        sessions = self._backend.engine().list_sessions(owner)
+        return pb.ListSessionsResponse(sessions=[session_message(s) for s in sessions])
+
+    def DeleteSession(
+        self, request: pb.DeleteSessionRequest, owner: str
+    ) -> pb.DeleteSessionResponse:
+        self._backend.engine().delete_session(request.id, owner)
         return pb.DeleteSessionResponse()
 
-    def GetStatus(self, request: pb.GetStatusRequest) -> pb.AgentStatus:
+    def GetStatus(self, request: pb.GetStatusRequest, owner: str) -> pb.AgentStatus:
         return status_message(self._backend.status())
 
 
-def _unary(method: Callable[[Any], Any]) -> Callable[[Any, grpc.aio.ServicerContext], Any]:
+def _unary(
+    service: AgentService, method: Callable[[Any, str], Any]
+) -> Callable[[Any, grpc.aio.ServicerContext], Any]:
     """One adapter for every unary method: unparsable requests and domain errors become the
-    status from the error table; the method itself only maps request to response."""
+    status from the error table; the method itself only maps request (and caller) to
+    response."""
+    name = method.__name__
 
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             _check(request)
-            return method(request)
+            return method(request, service.owner(context))
         except AgentError as exc:
+            log.info("%s refused: %s", name, exc)
             await _abort(context, exc)
             raise  # unreachable: abort raises
 
@@ -292,42 +358,32 @@ def _unary(method: Callable[[Any], Any]) -> Callable[[Any, grpc.aio.ServicerCont
 def _handlers(service: AgentService) -> grpc.GenericRpcHandler:
     """The Agent service's handlers, with request parsing that maps bad bytes to
     INVALID_ARGUMENT instead of a generic deserialization failure."""
-    out = pb.GenerateResponse.SerializeToString
-    handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            service.Generate, _lenient(pb.GenerateRequest), out
-        ),
-        "Tokenize": grpc.unary_unary_rpc_method_handler(
-            _unary(service.Tokenize),
-            _lenient(pb.TokenizeRequest),
-            pb.TokenizeResponse.SerializeToString,
-        ),
-        "Detokenize": grpc.unary_unary_rpc_method_handler(
-            _unary(service.Detokenize),
-            _lenient(pb.DetokenizeRequest),
-            pb.DetokenizeResponse.SerializeToString,
-        ),
-        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            _unary(service.GetModelInfo),
-            _lenient(pb.GetModelInfoRequest),
-            pb.ModelInfo.SerializeToString,
-        ),
-        "GetStatus": grpc.unary_unary_rpc_method_handler(
-            _unary(service.GetStatus),
-            _lenient(pb.GetStatusRequest),
-            pb.AgentStatus.SerializeToString,
-        ),
-        "CreateSession": grpc.unary_unary_rpc_method_handler(
-            _unary(service.CreateSession),
-            _lenient(pb.CreateSessionRequest),
-            pb.Session.SerializeToString,
-        ),
-        "DeleteSession": grpc.unary_unary_rpc_method_handler(
-            _unary(service.DeleteSession),
-            _lenient(pb.DeleteSessionRequest),
-            pb.DeleteSessionResponse.SerializeToString,
+    unary: dict[str, tuple[Callable[[Any, str], Any], Any, Any]] = {
+        "Tokenize": (service.Tokenize, pb.TokenizeRequest, pb.TokenizeResponse),
+        "Detokenize": (service.Detokenize, pb.DetokenizeRequest, pb.DetokenizeResponse),
+        "GetModelInfo": (service.GetModelInfo, pb.GetModelInfoRequest, pb.ModelInfo),
+        "GetStatus": (service.GetStatus, pb.GetStatusRequest, pb.AgentStatus),
+        "CreateSession": (service.CreateSession, pb.CreateSessionRequest, pb.Session),
+        "ForkSession": (service.ForkSession, pb.ForkSessionRequest, pb.Session),
+        "ListSessions": (service.ListSessions, pb.ListSessionsRequest, pb.ListSessionsResponse),
+        "DeleteSession": (
+            service.DeleteSession,
+            pb.DeleteSessionRequest,
+            pb.DeleteSessionResponse,
         ),
     }
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            _unary(service, method), _lenient(request), response.SerializeToString
+        )
+        for name, (method, request, response) in unary.items()
+    }
+    handlers["Generate"] = grpc.unary_stream_rpc_method_handler(
+        service.Generate, _lenient(pb.GenerateRequest), pb.GenerateResponse.SerializeToString
+    )
+    missing = set(pb.DESCRIPTOR.services_by_name["Agent"].methods_by_name) - set(handlers)
+    if missing:
+        raise RuntimeError(f"Agent methods without a handler: {sorted(missing)}")
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
