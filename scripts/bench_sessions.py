@@ -238,8 +238,7 @@ def table(r: dict[str, Any]) -> str:
         f"a host tier of 6 sessions' rows ({m['session_rows_mib']:.2f} MiB each); the rest on "
         f"disk. Peak RSS (VmHWM) {m['peak_mib']:.0f} MiB after every session's second turn; "
         f"{m['idle_peak_mib']:.0f} MiB right after start-up. Peak RSS − max_num_bytes = "
-        f"**{m['overhead_mib']:.0f} MiB**: the fixed overhead of the process (Python, numpy, "
-        "gRPC, LiteRT libraries) on top of the budget.",
+        f"**{m['overhead_mib']:.0f} MiB** (see below for what it is made of).",
     ]
     return "\n".join(lines)
 
