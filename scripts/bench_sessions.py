@@ -157,34 +157,26 @@ def daemon_rss(model_dir: Path, quant: str, tmp: Path) -> dict[str, Any]:
         idle = vm_hwm_mib(d.proc.pid)
         text = history_text_for(model_dir, 990)
         sids = []
+        def one_token(prompt: str, sid: str) -> None:
+            client.generate(
+                build_request(
+                    prompt,
+                    None,
+                    max_tokens=1,
+                    temperature=0.0,
+                    top_k=None,
+                    top_p=None,
+                    seed=None,
+                    stop=[],
+                    session=sid,
+                )
+            )
+
         for _ in range(20):
-            sid = client.create_session()
-            req = build_request(
-                text,
-                None,
-                max_tokens=1,
-                temperature=0.0,
-                top_k=None,
-                top_p=None,
-                seed=None,
-                stop=[],
-                session=sid,
-            )
-            client.generate(req)
-            sids.append(sid)
+            sids.append(client.create_session())
+            one_token(text, sids[-1])
         for sid in sids:  # a second turn on each: every tier is read back
-            req = build_request(
-                "\n# more\n",
-                None,
-                max_tokens=1,
-                temperature=0.0,
-                top_k=None,
-                top_p=None,
-                seed=None,
-                stop=[],
-                session=sid,
-            )
-            client.generate(req)
+            one_token("\n# more\n", sid)
         status = client.status()
         peak = vm_hwm_mib(d.proc.pid)
     finally:
