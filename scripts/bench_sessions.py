@@ -157,6 +157,7 @@ def daemon_rss(model_dir: Path, quant: str, tmp: Path) -> dict[str, Any]:
         idle = vm_hwm_mib(d.proc.pid)
         text = history_text_for(model_dir, 990)
         sids = []
+
         def one_token(prompt: str, sid: str) -> None:
             client.generate(
                 build_request(
