@@ -270,6 +270,40 @@ def test_plain_cpu_kernels_match_xnnpack(tiny_model_factory, make_profile) -> No
     np.testing.assert_allclose(_decode_all(cpu.runner, PROMPT[:6]), want, rtol=1e-3, atol=1e-3)
 
 
+def test_xnnpack_weight_cache_file_is_written_reused_and_pruned(
+    tiny_model_factory, make_profile, tmp_path
+) -> None:
+    path = tiny_model_factory(layout="transposed", prefill_lens=(8, 16), kv_max=64)
+    cache_dir = tmp_path / "xnnpack"
+    profile = make_profile(runtime={"xnnpack_weight_cache_dir": str(cache_dir)})
+    cache_dir.mkdir()
+    stale = cache_dir / f"{'0' * 64}{litert.WEIGHT_CACHE_SUFFIX}"
+    stale.write_bytes(b"packed weights of a model that was replaced")
+    want = _decode_all(litert.load(path, make_profile()).runner, PROMPT[:6])
+
+    first = litert.load(path, profile, cache_key="a" * 64)
+    cache = cache_dir / f"{'a' * 64}{litert.WEIGHT_CACHE_SUFFIX}"
+    assert [p.name for p in cache_dir.iterdir()] == [cache.name]  # the stale file is gone
+    written = cache.stat()
+    assert written.st_size > 0
+    np.testing.assert_allclose(_decode_all(first.runner, PROMPT[:6]), want, rtol=1e-4, atol=1e-4)
+    # a second load maps the packed weights from the file instead of packing them again
+    second = litert.load(path, profile, cache_key="a" * 64)
+    assert cache.stat().st_mtime_ns == written.st_mtime_ns
+    np.testing.assert_allclose(_decode_all(second.runner, PROMPT[:6]), want, rtol=1e-4, atol=1e-4)
+
+
+def test_unwritable_weight_cache_dir_packs_in_memory(tiny_model_factory, make_profile, tmp_path):
+    path = tiny_model_factory(layout="transposed", prefill_lens=(8,), kv_max=64)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory should be")
+    profile = make_profile(runtime={"xnnpack_weight_cache_dir": str(blocker / "xnnpack")})
+    assert litert.weight_cache_path(profile, "b" * 64) == litert.IN_MEMORY_WEIGHT_CACHE
+    loaded = litert.load(path, profile, cache_key="b" * 64)
+    assert loaded.accelerator == "xnnpack"
+    assert not blocker.is_dir()
+
+
 def test_no_working_accelerator_is_an_error(tiny_model_factory, make_profile) -> None:
     path = tiny_model_factory(layout="transposed", prefill_lens=(8,), kv_max=64)
     profile = make_profile(
@@ -279,4 +313,4 @@ def test_no_working_accelerator_is_an_error(tiny_model_factory, make_profile) ->
     # cpu still works: the chain ends there
     assert litert.load(path, profile).accelerator == "cpu"
     with pytest.raises(AcceleratorError):
-        litert._open(path, discover_layout(read_model_file(path)), profile, "npu", 2, False)
+        litert._open(path, discover_layout(read_model_file(path)), profile, "npu", 2, False, None)

@@ -199,6 +199,7 @@ class Engine:
             profile,
             context_length=self.meta.context_length,
             prefer_interpreter=prefer_interpreter,
+            cache_key=variant.sha256,
         )
         runner = self.loaded.runner
         layout = runner.layout

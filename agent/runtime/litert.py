@@ -21,7 +21,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Final, Generic, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -44,7 +44,7 @@ class MemoryPlan:
     """What loading a model costs, counted before anything is allocated."""
 
     weights: int  # the mapped model file
-    packed_weights: int  # XNNPACK repacks weights into its own layout
+    packed_weights: int  # XNNPACK repacks weights once, into a weight cache all signatures share
     activations: int  # per signature, the peak of its intermediate tensors alive at once
     kv_per_session: int
     sessions: int  # runtime KV caches (running requests and bound sessions)
@@ -513,8 +513,13 @@ def load(
     *,
     context_length: int | None = None,
     prefer_interpreter: bool = False,
+    cache_key: str | None = None,
 ) -> LoadedModel:
-    """Load `path` under `profile`: check format and budget, then walk the accelerator chain."""
+    """Load `path` under `profile`: check format and budget, then walk the accelerator chain.
+
+    `cache_key` (the model's sha256) names the persistent XNNPACK weight cache file when the
+    profile sets `xnnpack_weight_cache_dir`; without both, the cache lives in memory.
+    """
     model = read_model_file(path)
     layout = discover_layout(model, context_length)
     source = str(profile.source)
@@ -532,7 +537,7 @@ def load(
     for i, acc in enumerate(chain):
         nxt = chain[i + 1] if i + 1 < len(chain) else "nothing"
         try:
-            runner, kind = _open(path, layout, profile, acc, threads, prefer_interpreter)
+            runner, kind = _open(path, layout, profile, acc, threads, prefer_interpreter, cache_key)
         except (OSError, RuntimeError, ValueError, AcceleratorError) as exc:
             text = str(exc).strip()
             reason = f"{acc}: {text.splitlines()[0] if text else type(exc).__name__}"
@@ -552,6 +557,37 @@ def load(
     )
 
 
+# XNNPACK's in-memory weight cache (a memfd). Without any weight cache XNNPACK packs the weights
+# once per signature: 3x the packed bytes for a model with 4 signatures (docs/PERFORMANCE.md).
+IN_MEMORY_WEIGHT_CACHE: Final = ":memory:"
+WEIGHT_CACHE_SUFFIX: Final = ".xnnpack"
+
+
+def weight_cache_path(profile: DeviceProfile, cache_key: str | None) -> str:
+    """The XNNPACK weight cache for a model: a file in the profile's directory, else memory.
+
+    `CpuOptions.xnnpack_weight_cache_path` is a file (a directory makes XNNPACK log an error and
+    run without a cache). Files of other models in the directory are removed: one model's packed
+    weights are as large as the model, and an update leaves the old ones unused.
+    """
+    directory = profile.runtime.xnnpack_weight_cache_dir
+    if directory is None or cache_key is None:
+        return IN_MEMORY_WEIGHT_CACHE
+    target = directory / f"{cache_key}{WEIGHT_CACHE_SUFFIX}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not os.access(directory, os.W_OK | os.X_OK) and not target.exists():
+            raise PermissionError(f"{directory} is not writable")
+        for old in directory.glob(f"*{WEIGHT_CACHE_SUFFIX}"):
+            if old != target:
+                old.unlink(missing_ok=True)
+                log.info("weight cache removed: %s (another model)", old)
+    except OSError as exc:
+        log.warning("XNNPACK weight cache dir unusable (%s); packing weights in memory", exc)
+        return IN_MEMORY_WEIGHT_CACHE
+    return str(target)
+
+
 def _open(
     path: Path,
     layout: ModelLayout,
@@ -559,6 +595,7 @@ def _open(
     acc: str,
     threads: int,
     prefer_interpreter: bool,
+    cache_key: str | None,
 ) -> tuple[Runner, str]:
     npu = profile.npu
     if acc == "npu":
@@ -572,11 +609,7 @@ def _open(
                 path, layout, "npu", threads, (npu.library, opts)
             ), "interpreter"
         return _CompiledRunner(path, layout, "npu", threads, None, npu.library), "compiled"
-    cache_dir = profile.runtime.xnnpack_weight_cache_dir if acc == "xnnpack" else None
-    cache = None
-    if cache_dir is not None:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        cache = str(cache_dir)
+    cache = weight_cache_path(profile, cache_key) if acc == "xnnpack" else None
     if prefer_interpreter:
         return _InterpreterRunner(path, layout, acc, threads, None), "interpreter"
     return _CompiledRunner(path, layout, acc, threads, cache, None), "compiled"
