@@ -25,6 +25,7 @@ class NotifyListener:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        path.unlink(missing_ok=True)  # left by an earlier daemon in the same directory
         self.sock.bind(str(path))
         self.sock.settimeout(0.1)
         self.messages: list[dict[str, str]] = []
@@ -76,6 +77,7 @@ class Daemon:
         config: str = "",
         env: dict[str, str] | None = None,
         profile: str = "generic-x86_64",
+        args: tuple[str, ...] = (),
     ):
         self.tmp = tmp
         self.socket = tmp / "run" / "agent.sock"
@@ -99,6 +101,7 @@ class Daemon:
                 str(self.config),
                 "--state-dir",
                 str(tmp / "state"),
+                *args,
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,

@@ -395,6 +395,10 @@ def test_sessions_over_grpc(daemon: Daemon) -> None:
     st = c.status()
     assert int(st["active_sessions"]) >= 1
     assert int(st["kv"]["resume_hits"]) >= 1
+    info = c.info()  # model info shows the same tiers, and what one cache costs
+    assert int(info["kv"]["resume_hits"]) >= 1
+    assert int(info["kv_bytes_per_session"]) == 2 * 2 * 128 * 32 * 4
+    assert int(info["kv_caches"]) >= 1
     c.delete_session(sid)
     with pytest.raises(grpc.RpcError) as err:
         c.delete_session(sid)
@@ -580,6 +584,64 @@ def test_status_reports_every_kv_tier_figure(daemon: Daemon) -> None:
     )
     assert r.returncode == 0, r.stderr
     assert set(json.loads(r.stdout)["kv"]) == fields
+
+
+def test_sessions_survive_a_reload_and_a_restart_and_are_lost_on_a_model_change(
+    tiny_model_dir, tmp_path
+) -> None:
+    from agent.profile import profiles_dir
+
+    text = (profiles_dir() / "generic-x86_64.toml").read_text()
+    (tmp_path / "p").mkdir()
+    profile = tmp_path / "p" / "generic-x86_64.toml"
+    profile.write_text(text)
+    config = '[model]\nquantization = "%s"\n'
+    turns = ["def f(x):", "\n    return", "\n\nclass A:", "\n    def g(self):"]
+
+    def start() -> tuple[Daemon, Client]:
+        d = Daemon(tmp_path, tiny_model_dir, config % "int8", profile=str(profile))
+        return d, keyed(d, "key-hand-over")
+
+    def reload(d: Daemon) -> None:
+        since = len(d.notify.messages)
+        d.signal(signal.SIGHUP)
+        d.notify.wait_for("READY", "1", since=since)
+
+    d, c = start()
+    try:
+        ref = c.create_session()  # the same turns without any move: what each turn must give
+        want = [list(c.generate(greedy(t, ref)).tokens) for t in turns]
+        c.delete_session(ref)
+        sid = c.create_session()
+        assert list(c.generate(greedy(turns[0], sid)).tokens) == want[0]
+        # a reload with the same model (only a profile setting changed): the new engine
+        # adopts the session from the state directory and continues it from its saved KV
+        profile.write_text(text.replace("max_tokens = 512", "max_tokens = 500"))
+        reload(d)
+        assert "reloaded" in d.read_log()
+        two = c.generate(greedy(turns[1], sid))
+        assert list(two.tokens) == want[1] and int(two.stats["cached_tokens"]) > 0
+        assert int(c.status()["kv"]["restores_disk"]) == 1
+    finally:
+        assert d.stop() == 0, d.read_log()
+    # a restart: the stopping daemon saves the session, the next one continues it
+    d, c = start()
+    try:
+        (entry,) = c.list_sessions()
+        assert (entry.id, entry.tier) == (sid, "disk")
+        three = c.generate(greedy(turns[2], sid))
+        assert list(three.tokens) == want[2] and int(three.stats["cached_tokens"]) > 0
+        # another model: the saved KV is invalid, and the client is told so
+        d.config.write_text(config % "fp32")
+        reload(d)
+        assert c.info()["quantization"] == "fp32"
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(greedy(turns[3], sid))
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS
+        assert "model changed" in (err.value.details() or "")
+        assert c.list_sessions() == []
+    finally:
+        assert d.stop() == 0, d.read_log()
 
 
 def test_session_cli(daemon: Daemon, tmp_path) -> None:

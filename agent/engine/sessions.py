@@ -131,6 +131,7 @@ class SessionStore:
             ("spills", "restores_host", "restores_disk", "lost", "hits", "misses"), 0
         )
         if disk is not None:
+            self._lost.update(disk.invalidated)
             for e in disk.entries():
                 m = e.meta
                 self.sessions[e.key] = Session(

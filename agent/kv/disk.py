@@ -82,6 +82,9 @@ class DiskTier:
         self.budget_bytes = budget_bytes
         self.disabled: str | None = None
         self._index: OrderedDict[str, DiskEntry] = OrderedDict()  # least recently used first
+        # sessions whose files the scan deleted because another model wrote them: key ->
+        # (owner, why), so that their clients hear "lost", not "unknown"
+        self.invalidated: dict[str, tuple[str, str]] = {}
         if budget_bytes == 0:
             self.disabled = "the disk tier is off (budget 0)"
             return
@@ -249,6 +252,8 @@ class DiskTier:
             else:
                 if header.model_sha256 != self.model_sha256:
                     stale += _remove(path)
+                    why = f"the model changed since it was saved ({header.model_sha256[:12]}…)"
+                    self.invalidated[key] = (str(header.meta.get("owner", "")), why)
                 else:
                     found.append(self._entry(key, header, st.st_mtime_ns))
         for entry in sorted(found, key=lambda e: (e.last_used, e.key)):

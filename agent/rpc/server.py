@@ -299,7 +299,8 @@ class AgentService:
         return pb.DetokenizeResponse(text=text)
 
     def GetModelInfo(self, request: pb.GetModelInfoRequest, owner: str) -> pb.ModelInfo:
-        i = self._backend.engine().info
+        engine = self._backend.engine()
+        i = engine.info
         return pb.ModelInfo(
             name=i.name,
             version=i.version,
@@ -312,6 +313,9 @@ class AgentService:
             execution_path=i.execution_path,
             kv_layout=i.kv_layout,
             fallbacks=list(i.fallbacks),
+            kv=tiers_message(engine.tier_stats()),
+            kv_bytes_per_session=i.memory.kv_per_session,
+            kv_caches=i.memory.sessions,
         )
 
     def CreateSession(self, request: pb.CreateSessionRequest, owner: str) -> pb.Session:
