@@ -657,10 +657,10 @@ class Engine:
         except Exception as exc:  # one failed request must not take the engine down
             log.exception("request %s failed", p.handle.id)
             events = [gen.fail(str(exc))]
+        if gen.done:  # before the final event: a client that continues the session at once
+            self._retire(p, events[-1])  # must find it idle, not "already running"
         for e in events:
             p.handle.emit(e)
-        if gen.done:
-            self._retire(p, events[-1])
 
     def _retire(self, p: _Prepared, last: TokenEvent) -> None:
         stats = last.stats
