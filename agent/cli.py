@@ -203,6 +203,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         socket=Path(args.socket).resolve() if args.socket else None,
         tcp=args.tcp,
         state_dir=Path(args.state_dir).resolve() if args.state_dir else None,
+        broker=args.broker,
+        device_id=args.device_id,
     )
     log_cfg = load_config(overrides.config_path).log
     configure_logging("debug" if args.verbose else log_cfg.level, log_cfg.target)  # replaces
@@ -418,6 +420,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--state-dir", help="where sessions are saved to disk (default: /var/lib/edge-agent)"
     )
+    p.add_argument(
+        "--broker", help="fleet MQTT broker, mqtt://HOST:PORT or mqtts://HOST:PORT (over config)"
+    )
+    p.add_argument("--device-id", help="this board's id in the fleet (default: /etc/machine-id)")
     p.set_defaults(func=cmd_run)
 
     client = sub.add_parser("client", help="talk to a running daemon")
@@ -479,8 +485,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=cmd_client_session)
 
+    from agent.fleet.cli import add_fleet_parser
     from agent.units import register_cli
 
+    add_fleet_parser(sub)
     register_cli(sub)
     return parser
 

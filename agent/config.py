@@ -23,7 +23,7 @@ DEFAULT_SOCKET = Path("/run/edge-agent/agent.sock")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_TARGETS = ("auto", "journald", "stderr")
 
-TOP = ("server", "limits", "model", "log", "watchdog", "sessions")
+TOP = ("server", "limits", "model", "log", "watchdog", "sessions", "fleet")
 SERVER = ("socket", "socket_mode", "socket_group", "tcp", "allow_remote_tcp", "max_message_bytes")
 LIMITS = (
     "max_sessions",
@@ -37,6 +37,25 @@ MODEL = ("path", "quantization")
 LOG = ("level", "target")
 WATCHDOG = ("engine_stall_s", "tick_s")
 SESSIONS = ("share",)
+FLEET = (
+    "broker",
+    "protocol",
+    "ca_file",
+    "cert_file",
+    "key_file",
+    "username",
+    "password_file",
+    "device_id",
+    "topic_prefix",
+    "keepalive_s",
+    "session_expiry_s",
+    "health_interval_s",
+    "health_min_interval_s",
+    "max_command_bytes",
+    "max_events",
+)
+MQTT_PROTOCOLS = ("5", "3.1.1")
+BROKER_FORMAT = "mqtt://HOST:PORT or mqtts://HOST:PORT (mqtts: TLS)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +104,59 @@ class SessionsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class Broker:
+    host: str
+    port: int
+    tls: bool
+
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'mqtts' if self.tls else 'mqtt'}://{host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """The MQTT fleet link (docs/FLEET.md). No broker: the fleet link is off."""
+
+    broker: Broker | None = None
+    protocol: str = "5"  # "5" | "3.1.1" (old brokers)
+    ca_file: Path | None = None  # TLS: the CA that signed the broker's certificate
+    cert_file: Path | None = None  # mutual TLS: this device's certificate and key
+    key_file: Path | None = None
+    username: str | None = None
+    password_file: Path | None = None  # read at connect; the password never sits in config
+    device_id: str | None = None  # default: /etc/machine-id
+    topic_prefix: str = "fleet/v1"
+    keepalive_s: int = 60
+    session_expiry_s: int = 3600  # the broker keeps our subscription and QoS 1 queue this long
+    health_interval_s: float = 60.0  # heartbeat: health is republished at least this often
+    health_min_interval_s: float = 5.0  # on change: not more often than this
+    max_command_bytes: int = 64 * 1024  # larger command payloads get RESOURCE_EXHAUSTED
+    max_events: int = 1000  # events kept on disk while the broker is unreachable
+
+
+def parse_broker(source: str, key: str, value: str) -> Broker:
+    """`mqtt://HOST:PORT` or `mqtts://HOST:PORT` (the port defaults to 1883 / 8883)."""
+    scheme, sep, rest = value.partition("://")
+    if not sep or scheme not in ("mqtt", "mqtts") or not rest or "/" in rest:
+        raise ConfigError(source, key, value, BROKER_FORMAT)
+    tls = scheme == "mqtts"
+    default_port = "8883" if tls else "1883"
+    if rest.startswith("["):  # [IPv6]:PORT
+        host, _, tail = rest[1:].partition("]")
+        port = (
+            tail.removeprefix(":") if tail.startswith(":") else (default_port if not tail else "")
+        )
+    elif rest.count(":") == 1:
+        host, _, port = rest.partition(":")
+    else:
+        host, port = rest, default_port
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(source, key, value, BROKER_FORMAT)
+    return Broker(host, int(port), tls)
+
+
+@dataclass(frozen=True, slots=True)
 class AgentConfig:
     source: str = "<defaults>"
     server: ServerConfig = ServerConfig()
@@ -93,6 +165,7 @@ class AgentConfig:
     log: LogConfig = LogConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
     sessions: SessionsConfig = SessionsConfig()
+    fleet: FleetConfig = FleetConfig()
 
 
 def check_tcp(source: str, key: str, value: str, allow_remote: bool) -> str:
@@ -180,7 +253,48 @@ def parse_config(data: Mapping[str, object], source: str) -> AgentConfig:
     sessions = d.sessions
     if st is not None:
         sessions = SessionsConfig(share=st.flag("share", default=d.sessions.share))
-    return AgentConfig(source, server, limits, model, log, watchdog, sessions)
+    ft = top.table("fleet", FLEET, required=False)
+    fleet = _parse_fleet(ft, source) if ft is not None else d.fleet
+    return AgentConfig(source, server, limits, model, log, watchdog, sessions, fleet)
+
+
+def _parse_fleet(t: Table, source: str) -> FleetConfig:
+    d = FleetConfig()
+    broker_text = t.optional_text("broker")
+    device = t.optional_text("device_id")
+    if device is not None:
+        from agent.fleet.topics import DEVICE_ID_RE
+
+        if not DEVICE_ID_RE.fullmatch(device):
+            raise t.error("device_id", device, "1-128 of A-Z a-z 0-9 _ . : - (no / + #)")
+    prefix = t.optional_text("topic_prefix") or d.topic_prefix
+    if any(c in prefix for c in "+#") or prefix.startswith("/") or prefix.endswith("/"):
+        raise t.error("topic_prefix", prefix, "topic levels without wildcards, e.g. fleet/v1")
+    fleet = FleetConfig(
+        broker=parse_broker(source, "fleet.broker", broker_text) if broker_text else None,
+        protocol=t.choice("protocol", MQTT_PROTOCOLS) if "protocol" in t.raw else d.protocol,
+        ca_file=t.absolute_path("ca_file"),
+        cert_file=t.absolute_path("cert_file"),
+        key_file=t.absolute_path("key_file"),
+        username=t.optional_text("username"),
+        password_file=t.absolute_path("password_file"),
+        device_id=device,
+        topic_prefix=prefix,
+        keepalive_s=t.integer("keepalive_s", 5, 3600, d.keepalive_s),
+        session_expiry_s=t.integer("session_expiry_s", 0, 7 * 24 * 3600, d.session_expiry_s),
+        health_interval_s=t.number("health_interval_s", 1, 86400)
+        if "health_interval_s" in t.raw
+        else d.health_interval_s,
+        health_min_interval_s=t.number("health_min_interval_s", 0.1, 3600)
+        if "health_min_interval_s" in t.raw
+        else d.health_min_interval_s,
+        max_command_bytes=t.size("max_command_bytes", 1024, 64 << 20, d.max_command_bytes),
+        max_events=t.integer("max_events", 1, 1_000_000, d.max_events),
+    )
+    if (fleet.cert_file is None) != (fleet.key_file is None):
+        missing = "key_file" if fleet.key_file is None else "cert_file"
+        raise t.error(missing, None, "cert_file and key_file together (mutual TLS)")
+    return fleet
 
 
 def _is_mode(text: str) -> bool:

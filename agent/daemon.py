@@ -22,10 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent import __version__
-from agent.config import AgentConfig, load_config
-from agent.engine.engine import Engine, EngineLimits, estimate_memory
-from agent.errors import Unavailable
+from agent.config import AgentConfig, load_config, parse_broker
+from agent.engine.engine import Engine, EngineLimits, ModelInfo, estimate_memory
+from agent.errors import ConfigError, Unavailable
+from agent.fleet.agent import FleetAgent, resolve_device_id
+from agent.fleet.topics import check_device_id
 from agent.modeldir import demo_model_dir
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.profile import DeviceProfile, resolve_profile
 from agent.rpc.server import Server
 from agent.status import AgentStatus, rss_bytes
@@ -48,6 +51,8 @@ class Overrides:
     socket: Path | None = None
     tcp: str | None = None
     state_dir: Path | None = None
+    broker: str | None = None  # mqtt://HOST:PORT | mqtts://HOST:PORT
+    device_id: str | None = None
 
 
 def _apply(config: AgentConfig, o: Overrides) -> AgentConfig:
@@ -64,7 +69,16 @@ def _apply(config: AgentConfig, o: Overrides) -> AgentConfig:
         model = dataclasses.replace(model, path=o.model)
     if o.quantization is not None:
         model = dataclasses.replace(model, quantization=o.quantization)
-    return dataclasses.replace(config, server=server, model=model)
+    fleet = config.fleet
+    if o.broker is not None:
+        fleet = dataclasses.replace(fleet, broker=parse_broker("--broker", "broker", o.broker))
+    if o.device_id is not None:
+        try:
+            check_device_id(o.device_id)
+        except ValueError as exc:
+            raise ConfigError("--device-id", "device_id", o.device_id, str(exc)) from exc
+        fleet = dataclasses.replace(fleet, device_id=o.device_id)
+    return dataclasses.replace(config, server=server, model=model, fleet=fleet)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +131,8 @@ class Daemon:
         self._wake: asyncio.Event | None = None
         self._last_status = ""
         self._draining: list[threading.Thread] = []
+        self._fleet: FleetAgent | None = None
+        self._reload_waiters: list[asyncio.Future[fpb.ReloadDone]] = []
 
     # ------------------------------------------------------------------ Backend protocol
 
@@ -124,6 +140,18 @@ class Daemon:
         if self._engine is None or self._state in ("starting", "stopping"):
             raise Unavailable(f"the agent is {self._state}")
         return self._engine
+
+    def model_info(self) -> ModelInfo:
+        if self._engine is None:
+            raise Unavailable(f"the agent is {self._state}")
+        return self._engine.info
+
+    def reload(self) -> asyncio.Future[fpb.ReloadDone]:
+        """Ask for a reload (as SIGHUP does); the future resolves when it has finished."""
+        future: asyncio.Future[fpb.ReloadDone] = asyncio.get_running_loop().create_future()
+        self._reload_waiters.append(future)
+        self._request_reload()
+        return future
 
     def status(self) -> AgentStatus:
         e = self._engine
@@ -167,12 +195,25 @@ class Daemon:
             info.execution_path,
             self._plan.profile.name,
         )
+        self._start_fleet()
         self.notifier.ready(self._status_line())
         try:
             await self._main_loop(server)
         finally:
             await self._shutdown(server)
         return 0
+
+    def _start_fleet(self) -> None:
+        """The MQTT fleet link, when a broker is configured; it never blocks the daemon."""
+        fleet = self.config.fleet
+        if fleet.broker is None:
+            log.info("fleet: no broker configured; the fleet link is off")
+            return
+        assert self._plan is not None
+        device = resolve_device_id(fleet)
+        loop = asyncio.get_running_loop()
+        self._fleet = FleetAgent(fleet, device, self._plan.state_dir, self, loop)
+        self._fleet.start()
 
     async def _load(self, plan: _Plan) -> Engine:
         """Build an engine off the event loop. Meanwhile, every tick asks systemd for more time
@@ -219,7 +260,13 @@ class Daemon:
             self._wake.clear()
             if self._reload and not self._stop:
                 self._reload = False
-                await self._do_reload(server)
+                waiters, self._reload_waiters = self._reload_waiters, []
+                done = await self._do_reload(server)
+                for w in waiters:
+                    if not w.done():
+                        w.set_result(done)
+                if self._fleet is not None:
+                    self._fleet.reload_done(done)
             self._tick()
 
     def _tick(self) -> None:
@@ -236,6 +283,8 @@ class Daemon:
         if line != self._last_status:
             self._last_status = line
             self.notifier.status(line)
+        if self._fleet is not None:
+            self._fleet.tick()
 
     def _status_line(self) -> str:
         e = self._engine
@@ -247,12 +296,15 @@ class Daemon:
             f"{s.active} active, {s.queue_depth} queued, {s.requests_total} done"
         )
 
-    async def _do_reload(self, server: Server) -> None:
+    async def _do_reload(self, server: Server) -> fpb.ReloadDone:
         self.notifier.reloading("reloading configuration and profile")
         log.info("reload requested (SIGHUP)")
+        done = fpb.ReloadDone(ok=True)
         try:
             config = _apply(load_config(self.overrides.config_path), self.overrides)
             plan = _plan(config, self.overrides)
+            if config.fleet != self.config.fleet:
+                log.warning("reload: [fleet] changes take effect at the next restart")
             self.config = config
             if plan != self._plan:
                 self._state = "reloading"
@@ -267,15 +319,22 @@ class Daemon:
                 if old is not None:
                     self._drain_in_background(old)
                 log.info("reloaded: now serving %s %s", new.info.name, new.info.quantization)
+                done.message = "reloaded"
             else:
                 log.info("reload: model and profile unchanged")
+                done.message = "model and profile unchanged"
         except Exception as exc:  # a bad new config keeps the old one serving
             log.error("reload failed, keeping the previous model: %s", exc)
+            done.ok, done.message = False, f"reload failed, the previous model serves: {exc}"
             if self._engine is None and self._plan is not None:  # it was drained for the new one
                 self._engine = await self._load(self._plan)
                 await server.set_serving(True)
         self._state = "serving"
+        if self._engine is not None:
+            i = self._engine.info
+            done.model = f"{i.name} {i.version} {i.quantization}"
         self.notifier.ready(self._status_line())
+        return done
 
     def _fits_beside(self, plan: _Plan) -> bool:
         """Whether the new model can load while the current one still serves."""
@@ -328,6 +387,8 @@ class Daemon:
         await server.stop(grace=1.0)
         for t in self._draining:
             t.join(timeout)
+        if self._fleet is not None:
+            self._fleet.stop()  # after the drain: "offline" means no request is running
         if self._engine is not None:
             self._engine.close()
         log.info("stopped")

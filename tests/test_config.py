@@ -80,6 +80,16 @@ share = true
         ({"watchdog": {"tick_s": 0}}, "watchdog.tick_s", "from 0.05"),
         ({"sessions": {"share": "yes"}}, "sessions.share", "true or false"),
         ({"sessions": {"shared": True}}, "sessions.shared", "did you mean 'share'"),
+        ({"fleet": {"broker": "tcp://h:1883"}}, "fleet.broker", "mqtt://HOST:PORT"),
+        ({"fleet": {"broker": "mqtt://h:0"}}, "fleet.broker", "mqtts://HOST:PORT"),
+        ({"fleet": {"broker": "mqtt://h:1883/x"}}, "fleet.broker", "mqtt://HOST:PORT"),
+        ({"fleet": {"protocol": "4"}}, "fleet.protocol", "'5', '3.1.1'"),
+        ({"fleet": {"device_id": "a/b"}}, "fleet.device_id", "no / + #"),
+        ({"fleet": {"topic_prefix": "fleet/#"}}, "fleet.topic_prefix", "without wildcards"),
+        ({"fleet": {"ca_file": "ca.crt"}}, "fleet.ca_file", "an absolute path"),
+        ({"fleet": {"cert_file": "/etc/c.crt"}}, "fleet.key_file", "cert_file and key_file"),
+        ({"fleet": {"health_interval_s": 0}}, "fleet.health_interval_s", "from 1"),
+        ({"fleet": {"brokr": "mqtt://h"}}, "fleet.brokr", "did you mean 'broker'"),
     ],
 )
 def test_errors_name_file_key_value_and_rule(doc, key, fragment) -> None:
@@ -94,3 +104,27 @@ def test_remote_tcp_only_when_allowed() -> None:
     cfg = parse_config({"server": {"tcp": "0.0.0.0:50051", "allow_remote_tcp": True}}, SRC)
     assert cfg.server.tcp == "0.0.0.0:50051"
     assert parse_config({"server": {"tcp": "[::1]:50051"}}, SRC).server.tcp == "[::1]:50051"
+
+
+def test_fleet_section() -> None:
+    assert AgentConfig().fleet.broker is None  # no broker: the fleet link is off
+    cfg = parse_config(
+        {
+            "fleet": {
+                "broker": "mqtts://[::1]",
+                "protocol": "3.1.1",
+                "ca_file": "/etc/edge-agent/fleet/ca.crt",
+                "cert_file": "/etc/edge-agent/fleet/dev.crt",
+                "key_file": "/etc/edge-agent/fleet/dev.key",
+                "device_id": "dev-0042",
+                "health_interval_s": 30,
+            }
+        },
+        SRC,
+    ).fleet
+    assert cfg.broker is not None and (cfg.broker.host, cfg.broker.port) == ("::1", 8883)
+    assert cfg.broker.tls and cfg.broker.url() == "mqtts://[::1]:8883"
+    assert cfg.protocol == "3.1.1" and cfg.device_id == "dev-0042"
+    assert cfg.health_interval_s == 30.0 and cfg.topic_prefix == "fleet/v1"
+    plain = parse_config({"fleet": {"broker": "mqtt://broker.lan"}}, SRC).fleet.broker
+    assert plain is not None and (plain.port, plain.tls) == (1883, False)

@@ -1,0 +1,143 @@
+"""One way to make a paho-mqtt client for the fleet link, used by the agent and by the operator
+tools: protocol (MQTT 5 by default, 3.1.1 for old brokers), TLS and mutual TLS, username and a
+password read from a file, and the payload properties (content-type, response topic,
+correlation data)."""
+
+from __future__ import annotations
+
+import dataclasses
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from agent.config import Broker, FleetConfig
+from agent.errors import ConfigError
+from agent.fleet.topics import content_type, message_type
+
+CONTENT_TYPE_KEY = "content-type"
+
+
+@dataclass(frozen=True, slots=True)
+class MqttOptions:
+    """How to reach the broker: the connection half of `FleetConfig`."""
+
+    broker: Broker
+    protocol: str = "5"
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    username: str | None = None
+    password_file: Path | None = None
+    keepalive_s: int = 60
+
+    @classmethod
+    def from_config(cls, fleet: FleetConfig) -> MqttOptions:
+        assert fleet.broker is not None
+        names = {f.name for f in dataclasses.fields(cls)} - {"broker"}
+        return cls(fleet.broker, **{n: getattr(fleet, n) for n in names})
+
+    @property
+    def v5(self) -> bool:
+        return self.protocol == "5"
+
+
+def new_client(client_id: str, opts: MqttOptions, *, persistent: bool) -> mqtt.Client:
+    """A configured, unconnected client. `persistent`: the broker keeps our subscriptions and
+    queued QoS 1 messages across disconnects (MQTT 5: with the expiry given at connect)."""
+    if opts.v5:
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+    else:
+        client = mqtt.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=client_id,
+            clean_session=not persistent,
+            protocol=mqtt.MQTTv311,
+        )
+    if opts.broker.tls:
+        try:
+            client.tls_set(
+                ca_certs=str(opts.ca_file) if opts.ca_file else None,
+                certfile=str(opts.cert_file) if opts.cert_file else None,
+                keyfile=str(opts.key_file) if opts.key_file else None,
+                cert_reqs=ssl.CERT_REQUIRED,
+                tls_version=ssl.PROTOCOL_TLS_CLIENT,
+            )
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            raise ConfigError(
+                "[fleet]",
+                "fleet.ca_file/cert_file/key_file",
+                str(exc),
+                "readable PEM files (CA, and certificate + key together)",
+            ) from exc
+    if opts.username is not None:
+        client.username_pw_set(opts.username, _password(opts.password_file))
+    return client
+
+
+def _password(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(
+            "[fleet]", "fleet.password_file", str(path), f"a readable file ({exc.strerror})"
+        ) from exc
+
+
+def connect_properties(opts: MqttOptions, session_expiry_s: int) -> Properties | None:
+    """MQTT 5 CONNECT properties: how long the broker keeps our session after a disconnect."""
+    if not opts.v5:
+        return None
+    props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+    props.SessionExpiryInterval = session_expiry_s
+    return props
+
+
+def publish_properties(
+    opts: MqttOptions,
+    message_name: str,
+    *,
+    response_topic: str | None = None,
+    correlation: bytes | None = None,
+) -> Properties | None:
+    """PUBLISH properties naming the payload's protobuf message (MQTT 5; None on 3.1.1)."""
+    if not opts.v5:
+        return None
+    props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+    props.UserProperty = [(CONTENT_TYPE_KEY, content_type(message_name))]
+    if response_topic is not None:
+        props.ResponseTopic = response_topic
+    if correlation is not None:
+        props.CorrelationData = correlation
+    return props
+
+
+def payload_type(msg: mqtt.MQTTMessage) -> str | None:
+    """The protobuf message name a received message says it carries, if any."""
+    for key, value in _user_properties(msg):
+        if key == CONTENT_TYPE_KEY:
+            return message_type(value)
+    return None
+
+
+def response_route(msg: mqtt.MQTTMessage) -> tuple[str | None, bytes | None]:
+    """The MQTT 5 response topic and correlation data of a request, if set."""
+    props = getattr(msg, "properties", None)
+    if props is None:
+        return None, None
+    topic = getattr(props, "ResponseTopic", None)
+    corr = getattr(props, "CorrelationData", None)
+    return topic, bytes(corr) if corr is not None else None
+
+
+def _user_properties(msg: mqtt.MQTTMessage) -> list[tuple[str, str]]:
+    props: Any = getattr(msg, "properties", None)
+    pairs = getattr(props, "UserProperty", None) if props is not None else None
+    return list(pairs or [])

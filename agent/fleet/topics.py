@@ -1,0 +1,113 @@
+"""Topic names of the fleet link and the content-type property that names each payload."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Final
+
+DEFAULT_PREFIX: Final = "fleet/v1"
+CONTENT_TYPE: Final = "application/x-protobuf"
+# device ids become topic levels and usernames in the broker's ACL (%u): no wildcards, no '/'
+DEVICE_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+COMMAND_RE: Final = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+KINDS: Final = ("state", "health", "event", "cmd", "resp", "update")
+UPDATE_TOPICS: Final = ("status", "block", "data")
+
+
+def content_type(message_name: str) -> str:
+    """The content-type user property of a payload: tools pick the message type from it."""
+    return f"{CONTENT_TYPE}; type={message_name}"
+
+
+def message_type(content: str) -> str | None:
+    """The message name in a content-type property, or None if it is not one of ours."""
+    head, _, rest = content.partition(";")
+    if head.strip() != CONTENT_TYPE:
+        return None
+    key, _, value = rest.strip().partition("=")
+    return value.strip() if key.strip() == "type" and value.strip() else None
+
+
+def check_device_id(device_id: str) -> str:
+    """Raise ValueError unless `device_id` can be a topic level and a broker username."""
+    if not DEVICE_ID_RE.fullmatch(device_id):
+        raise ValueError(
+            f"device id {device_id!r} must be 1-128 of A-Z a-z 0-9 _ . : - "
+            "(starting with a letter or digit)"
+        )
+    return device_id
+
+
+@dataclass(frozen=True, slots=True)
+class Topics:
+    """The topics of one device under `prefix`."""
+
+    prefix: str
+    device: str
+
+    @property
+    def base(self) -> str:
+        return f"{self.prefix}/{self.device}"
+
+    @property
+    def state(self) -> str:
+        return f"{self.base}/state"
+
+    @property
+    def health(self) -> str:
+        return f"{self.base}/health"
+
+    @property
+    def event(self) -> str:
+        return f"{self.base}/event"
+
+    @property
+    def commands(self) -> str:
+        """The filter the device subscribes to."""
+        return f"{self.base}/cmd/+"
+
+    def command(self, name: str) -> str:
+        return f"{self.base}/cmd/{name}"
+
+    @property
+    def update_status(self) -> str:
+        """Update state machine reports (Event with an UpdateStatus)."""
+        return f"{self.base}/update/status"
+
+    @property
+    def block_request(self) -> str:
+        """The device asks for a payload block (BlockRequest) when an update comes over MQTT."""
+        return f"{self.base}/update/block"
+
+    @property
+    def block_data(self) -> str:
+        """Where the block server answers (Block)."""
+        return f"{self.base}/update/data"
+
+    def response(self, requester: str) -> str:
+        """Where `requester` wants answers: under the device's own prefix, so that a broker
+        ACL of `pattern readwrite <prefix>/%u/#` lets the device publish it."""
+        return f"{self.base}/resp/{requester}"
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    device: str
+    kind: str  # one of KINDS
+    name: str  # the command name or requester for cmd/resp, else ""
+
+
+def parse(prefix: str, topic: str) -> Parsed | None:
+    """Split a topic under `prefix`; None for anything that is not a fleet topic."""
+    if not topic.startswith(prefix + "/"):
+        return None
+    parts = topic[len(prefix) + 1 :].split("/")
+    if len(parts) < 2 or parts[1] not in KINDS or not DEVICE_ID_RE.fullmatch(parts[0]):
+        return None
+    if parts[1] in ("cmd", "resp"):
+        return Parsed(parts[0], parts[1], parts[2]) if len(parts) == 3 else None
+    if parts[1] == "update":
+        ok = len(parts) == 3 and parts[2] in UPDATE_TOPICS
+        return Parsed(parts[0], parts[1], parts[2]) if ok else None
+    return Parsed(parts[0], parts[1], "") if len(parts) == 2 else None
