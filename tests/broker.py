@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+MOSQUITTO_PASSWD = shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd"
 OPERATOR = "operator"
 
 
@@ -117,7 +118,13 @@ class Mosquitto:
     """mosquitto on 127.0.0.1:<free port> with a generated config; persistence on, so that
     retained messages and persistent sessions survive `restart()` as on a real broker."""
 
-    def __init__(self, tmp: Path, pki: Pki | None = None, max_packet_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        pki: Pki | None = None,
+        max_packet_bytes: int = 0,
+        users: dict[str, str] | None = None,
+    ) -> None:
         self.dir = tmp / "mosquitto"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -138,7 +145,12 @@ class Mosquitto:
         ]
         if max_packet_bytes:
             lines.append(f"max_packet_size {max_packet_bytes}")
-        if pki is None:
+        if users:  # username/password logins only (mosquitto_passwd hashes the file)
+            passwd = self.dir / "passwd"
+            passwd.write_text("".join(f"{u}:{p}\n" for u, p in users.items()))
+            subprocess.run([MOSQUITTO_PASSWD, "-U", str(passwd)], check=True)
+            lines += [f"password_file {passwd}", "allow_anonymous false"]
+        elif pki is None:
             lines.append("allow_anonymous true")
         else:
             acl = self.dir / "acl"

@@ -290,6 +290,42 @@ def test_mqtt_311_broker_mode(tiny_model_dir, tmp_path, broker) -> None:
         watch.close()
 
 
+def test_username_and_password_file(tiny_model_dir, tmp_path) -> None:
+    broker = Mosquitto(tmp_path / "pw-broker", users={"dev-pw": "s3cret", "watcher": "w"})
+    secret = tmp_path / "password"
+    secret.write_text("s3cret\n")
+    config = FAST + f'username = "dev-pw"\npassword_file = "{secret}"\n'
+    d = agent(tmp_path, tiny_model_dir, broker, "dev-pw", config)
+    try:
+        watch = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="pw-watch", protocol=mqtt.MQTTv5)
+        watch.username_pw_set("watcher", "w")
+        got = threading.Event()
+        watch.on_connect = lambda c, *_: c.subscribe(f"{PREFIX}/dev-pw/state", qos=1)
+        watch.on_message = lambda *_: got.set()
+        watch.connect("127.0.0.1", broker.port)
+        watch.loop_start()
+        assert got.wait(30), d.read_log()  # the agent logged in: its retained birth is there
+        watch.loop_stop()
+        watch.disconnect()
+    finally:
+        assert d.stop() == 0, d.read_log()
+        broker.stop()
+    assert "dev-pw" in broker.read_log() and "s3cret" not in d.read_log()
+
+
+def test_device_id_defaults_to_the_machine_id(tmp_path) -> None:
+    from agent.config import FleetConfig
+    from agent.errors import ConfigError
+    from agent.fleet.agent import resolve_device_id
+
+    machine_id = tmp_path / "machine-id"
+    machine_id.write_text("4c4c4544004a3510804cb4c04f4e3332\n")
+    assert resolve_device_id(FleetConfig(), machine_id) == "4c4c4544004a3510804cb4c04f4e3332"
+    assert resolve_device_id(FleetConfig(device_id="dev-9"), machine_id) == "dev-9"
+    with pytest.raises(ConfigError, match="fleet.device_id"):
+        resolve_device_id(FleetConfig(), tmp_path / "absent")
+
+
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> Pki:
     return make_pki(tmp_path_factory.mktemp("pki"), ["dev-tls", "dev-other", OPERATOR])
