@@ -322,7 +322,7 @@ def test_device_id_defaults_to_the_machine_id(tmp_path) -> None:
     machine_id.write_text("4c4c4544004a3510804cb4c04f4e3332\n")
     assert resolve_device_id(FleetConfig(), machine_id) == "4c4c4544004a3510804cb4c04f4e3332"
     assert resolve_device_id(FleetConfig(device_id="dev-9"), machine_id) == "dev-9"
-    with pytest.raises(ConfigError, match="fleet.device_id"):
+    with pytest.raises(ConfigError, match=r"fleet\.device_id"):
         resolve_device_id(FleetConfig(), tmp_path / "absent")
 
 
