@@ -486,9 +486,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=cmd_client_session)
 
     from agent.fleet.cli import add_fleet_parser
+    from agent.ota.cli import add_keys_parser, add_update_parser
+    from agent.ota.delta_cli import add_delta_commands
     from agent.units import register_cli
 
+    add_delta_commands(msub)
     add_fleet_parser(sub)
+    add_keys_parser(sub)
+    add_update_parser(sub)
     register_cli(sub)
     return parser
 

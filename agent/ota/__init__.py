@@ -1,0 +1,1 @@
+"""Signed model updates: keys, manifests, bundles, deltas and the on-device store."""

@@ -1,0 +1,220 @@
+"""`edge-agent keys generate` and `edge-agent update make|inspect`: the operator's tools for
+signed model updates (docs/UPDATES.md).
+
+Exit codes: 0 done; 1 `update inspect` found the bundle does not verify against
+``--trusted-keys`` or its payload does not match the manifest; 2 usage errors, unreadable
+or invalid inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from agent.errors import AgentError
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+DEFAULT_KEY_NAME = "update-signing"
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)")
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+
+
+def _fail(message: str) -> int:
+    print(f"edge-agent: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in "90", "90s", "15m", "12h", "7d" or "2w" (ValueError otherwise)."""
+    m = _DURATION.fullmatch(text.strip())
+    if m is None or float(m.group(1)) <= 0:
+        raise ValueError(f"{text!r} is not a duration like 3600, 45m, 12h, 7d or 2w")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+def cmd_keys_generate(args: argparse.Namespace) -> int:
+    from agent.ota.keys import PRIVATE_SUFFIX, PUBLIC_SUFFIX, generate
+
+    name = args.name
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        return _fail(f"--name {name!r}: use letters, digits, '.', '_' and '-'")
+    out = Path(args.out_dir)
+    try:
+        out.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private, public = out / f"{name}{PRIVATE_SUFFIX}", out / f"{name}{PUBLIC_SUFFIX}"
+        kid = generate(private, public, comment=name)
+    except (AgentError, OSError) as exc:
+        return _fail(str(exc))
+    if args.json:
+        print(json.dumps({"key_id": kid, "private": str(private), "public": str(public)}))
+    else:
+        print(kid)
+        print(
+            f"wrote {private} (keep it secret, off the devices) and {public} "
+            "(copy it to /etc/edge-agent/keys/ on the devices)",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def add_keys_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``keys generate`` to the CLI's subparsers (sets `func`)."""
+    top = subparsers.add_parser("keys", help="Ed25519 keys that sign model updates")
+    sub = top.add_subparsers(dest="keys_command", required=True)
+    p = sub.add_parser(
+        "generate",
+        help="a new key pair: NAME.key (private, 0600) and NAME.pub; prints the key id",
+        description="Writes OUT_DIR/NAME.key (PEM PKCS#8, mode 0600) and OUT_DIR/NAME.pub "
+        "(one line: 'ed25519 <base64> NAME'); never overwrites. Devices trust every *.pub in "
+        "/etc/edge-agent/keys.",
+    )
+    p.add_argument("--out-dir", required=True, help="directory for the two files")
+    p.add_argument(
+        "--name", default=DEFAULT_KEY_NAME, help=f"file name stem (default: {DEFAULT_KEY_NAME})"
+    )
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_keys_generate)
+
+
+# ----------------------------------------------------------------------------- update
+
+
+def _canary(args: argparse.Namespace, new_dir: Path) -> opb.Canary:
+    """The manifest's canary: the new model's greedy tokens for the prompt, computed here."""
+    from agent.engine.engine import Engine
+    from agent.modeldir import load_model_dir
+    from agent.ota import canary
+    from agent.ota.bundle import target_variant
+    from agent.profile import resolve_profile
+
+    profile, _ = resolve_profile(args.canary_profile or getattr(args, "profile", None))
+    quant = target_variant(load_model_dir(new_dir), args.quantization).quantization
+    engine = Engine(profile, new_dir, quantization=quant)
+    try:
+        n = args.canary_tokens or canary.DEFAULT_TOKENS
+        tokens = canary.expected_tokens(engine, args.canary_prompt, n)
+    finally:
+        engine.close()
+    return opb.Canary(prompt=args.canary_prompt, expected_tokens=tokens)
+
+
+def cmd_update_make(args: argparse.Namespace) -> int:
+    from agent.ota.bundle import describe, inspect, make_bundle
+    from agent.ota.keys import load_private
+
+    try:
+        expires_in = parse_duration(args.expires_in)
+    except ValueError as exc:
+        return _fail(f"--expires-in: {exc}")
+    if args.version < 1:
+        return _fail(f"--version {args.version}: versions start at 1")
+    if args.canary_tokens is not None and not args.canary_prompt:
+        return _fail("--canary-tokens needs --canary-prompt")
+    if args.canary_tokens is not None and not 1 <= args.canary_tokens <= 64:
+        return _fail(f"--canary-tokens {args.canary_tokens}: allowed 1..64")
+    base_dir, new_dir, out = Path(args.base_dir), Path(args.new_dir), Path(args.output)
+    try:
+        keys = [load_private(Path(k)) for k in args.key]
+        canary = None
+        if args.canary_prompt:
+            canary = _canary(args, new_dir)
+        make_bundle(
+            base_dir,
+            new_dir,
+            keys,
+            out,
+            version=args.version,
+            update_id=args.update_id,
+            expires_in_s=expires_in,
+            payload_url=args.url or "",
+            compatible_profiles=args.compatible_profiles,
+            compatible_arch=args.arch,
+            min_agent_version=args.min_agent_version or "",
+            canary=canary,
+            quantization=args.quantization,
+        )
+        doc = inspect(out)
+    except (AgentError, OSError) as exc:
+        return _fail(str(exc))
+    print(json.dumps(doc, indent=2) if args.json else describe(doc))
+    return 0
+
+
+def cmd_update_inspect(args: argparse.Namespace) -> int:
+    from agent.ota.bundle import describe, inspect
+    from agent.ota.keys import load_trusted
+
+    try:
+        trusted = load_trusted(Path(args.trusted_keys)) if args.trusted_keys else None
+        doc = inspect(Path(args.bundle), trusted)
+    except (AgentError, OSError) as exc:
+        return _fail(str(exc))
+    print(json.dumps(doc, indent=2) if args.json else describe(doc))
+    payload_ok = doc["payload"]["size_ok"] and doc["payload"]["sha256_ok"]
+    return 0 if payload_ok and doc["verified"] is not False else EXIT_FAILED
+
+
+def add_update_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``update make`` and ``update inspect`` to the CLI's subparsers (each sets `func`)."""
+    top = subparsers.add_parser("update", help="make and inspect signed model update bundles")
+    sub = top.add_subparsers(dest="update_command", required=True)
+
+    p = sub.add_parser(
+        "make",
+        help="a bundle: the delta BASE_DIR -> NEW_DIR and a manifest signed with every --key",
+    )
+    p.add_argument("base_dir", metavar="BASE_DIR", help="the model directory devices have now")
+    p.add_argument("new_dir", metavar="NEW_DIR", help="the model directory they should get")
+    p.add_argument(
+        "--key", action="append", required=True, help="private key file (repeat to co-sign)"
+    )
+    p.add_argument("-o", "--output", required=True, metavar="BUNDLE", help="bundle file")
+    p.add_argument("--version", type=int, required=True, help="monotonic update version (>= 1)")
+    p.add_argument("--expires-in", default="7d", help="validity, e.g. 12h, 7d, 2w (default: 7d)")
+    p.add_argument("--url", help="where devices download the payload (default: over MQTT)")
+    p.add_argument(
+        "--profile",
+        dest="compatible_profiles",
+        action="append",
+        default=[],
+        metavar="PROFILE",
+        help="a device profile that may install it (repeat; default: any)",
+    )
+    p.add_argument(
+        "--arch", action="append", default=[], help="aarch64, x86_64, ... (repeat; default: any)"
+    )
+    p.add_argument("--min-agent-version", help="oldest agent version that may install it")
+    p.add_argument("--quantization", help="the variant that will serve (default: int8)")
+    p.add_argument("--update-id", help="unique id of this update (default: random)")
+    p.add_argument("--canary-prompt", help="check the new model on this prompt before it serves")
+    p.add_argument(
+        "--canary-tokens",
+        type=int,
+        metavar="N",
+        help="expect its first N greedy tokens, computed here by running NEW_DIR (default: 4)",
+    )
+    p.add_argument(
+        "--canary-profile",
+        help="profile to run the canary with here (default: the global --profile, else detect)",
+    )
+    p.add_argument("--json", action="store_true", help="print the bundle as `inspect --json`")
+    p.set_defaults(func=cmd_update_make)
+
+    p = sub.add_parser(
+        "inspect",
+        help="show a bundle's manifest, signatures and payload check",
+        description="Exit 1 if the payload does not match the manifest, or with --trusted-keys "
+        "if no trusted key validly signed it.",
+    )
+    p.add_argument("bundle", metavar="BUNDLE")
+    p.add_argument("--trusted-keys", metavar="DIR", help="check the signatures against DIR/*.pub")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_update_inspect)

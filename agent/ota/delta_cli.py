@@ -1,0 +1,109 @@
+"""``edge-agent model diff`` and ``edge-agent model patch``: update deltas by hand.
+
+Both take two files or two model directories. ``diff`` prints what the delta holds
+(``--json`` for a machine-readable line); ``patch`` rebuilds and verifies the target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from agent.ota.delta import (
+    DEFAULT_LEVEL,
+    DeltaError,
+    diff_dirs,
+    diff_file,
+    patch_dirs,
+    patch_file,
+    read_header,
+)
+
+
+def _kind(a: Path, b: Path, what: str) -> str:
+    if a.is_dir() and b.is_dir():
+        return "dir"
+    if a.is_file() and b.is_file():
+        return "file"
+    raise DeltaError(f"{what}: {a} and {b} must both be files or both be model directories")
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.2f} MiB"
+
+
+def cmd_model_diff(args: argparse.Namespace) -> int:
+    base, new, out = Path(args.base), Path(args.new), Path(args.output)
+    diff = diff_dirs if _kind(base, new, "model diff") == "dir" else diff_file
+    start = time.perf_counter()
+    stats = diff(base, new, out, level=args.level)
+    seconds = time.perf_counter() - start
+    share = stats.delta_bytes / max(stats.target_bytes, 1)
+    if args.json:
+        doc: dict[str, Any] = dataclasses.asdict(stats)
+        doc.update(delta=str(out), ratio=round(share, 6), seconds=round(seconds, 3))
+        print(json.dumps(doc))
+        return 0
+    print(
+        f"{out}: {stats.delta_bytes} bytes ({_mib(stats.delta_bytes)}), {share:.2%} of the "
+        f"{stats.files} target file(s) ({_mib(stats.target_bytes)}) in {seconds:.1f} s"
+    )
+    print(
+        f"  copied {_mib(stats.copied_bytes)}, carried {_mib(stats.data_bytes)}, "
+        f"patched {_mib(stats.patched_bytes)} in {stats.ops} ops"
+    )
+    for e in read_header(out):
+        base_note = f"from {e.base_name}" if e.base_name else "carried whole"
+        print(f"  {e.name:32} {e.size:>12} bytes  {e.method:8} {base_note}")
+    return 0
+
+
+def cmd_model_patch(args: argparse.Namespace) -> int:
+    base, delta, out = Path(args.base), Path(args.delta), Path(args.output)
+    start = time.perf_counter()
+    if base.is_dir():
+        files = patch_dirs(base, delta, out)
+    else:
+        patch_file(base, delta, out)
+        e = read_header(delta)[0]
+        files = [(out.name, e.sha256, e.size)]
+    seconds = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({"files": [list(f) for f in files], "seconds": round(seconds, 3)}))
+        return 0
+    for name, sha, size in files:
+        print(f"{name:32} {size:>12} bytes  sha256 {sha}")
+    print(f"{out}: {len(files)} file(s) rebuilt and verified in {seconds:.1f} s")
+    return 0
+
+
+def add_delta_commands(
+    model_subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> None:
+    """Add ``diff`` and ``patch`` to the ``model`` command's subparsers."""
+    p = model_subparsers.add_parser(
+        "diff", help="write an update delta that rebuilds NEW from BASE (files or model dirs)"
+    )
+    p.add_argument("base", help="the model file or directory devices have")
+    p.add_argument("new", help="the model file or directory to ship")
+    p.add_argument("-o", "--output", required=True, help="the delta file to write")
+    p.add_argument(
+        "--level", type=int, default=DEFAULT_LEVEL, help=f"zstd level (default {DEFAULT_LEVEL})"
+    )
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_model_diff)
+
+    p = model_subparsers.add_parser(
+        "patch", help="rebuild a model file or directory from BASE and a delta, verified"
+    )
+    p.add_argument("base", help="the model file or directory the delta was made against")
+    p.add_argument("delta", help="the delta file")
+    p.add_argument(
+        "-o", "--output", required=True, help="the file to write (a new or empty dir for dirs)"
+    )
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_model_patch)
