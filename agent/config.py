@@ -23,7 +23,7 @@ DEFAULT_SOCKET = Path("/run/edge-agent/agent.sock")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_TARGETS = ("auto", "journald", "stderr")
 
-TOP = ("server", "limits", "model", "log", "watchdog", "sessions", "fleet")
+TOP = ("server", "limits", "model", "log", "watchdog", "sessions", "fleet", "updates")
 SERVER = ("socket", "socket_mode", "socket_group", "tcp", "allow_remote_tcp", "max_message_bytes")
 LIMITS = (
     "max_sessions",
@@ -53,6 +53,14 @@ FLEET = (
     "health_min_interval_s",
     "max_command_bytes",
     "max_events",
+)
+UPDATES = (
+    "trusted_keys_dir",
+    "trial_s",
+    "max_trial_restarts",
+    "max_payload_bytes",
+    "progress_interval_s",
+    "retry_s",
 )
 MQTT_PROTOCOLS = ("5", "3.1.1")
 BROKER_FORMAT = "mqtt://HOST:PORT or mqtts://HOST:PORT (mqtts: TLS)"
@@ -157,6 +165,18 @@ def parse_broker(source: str, key: str, value: str) -> Broker:
 
 
 @dataclass(frozen=True, slots=True)
+class UpdatesConfig:
+    """Signed model updates (docs/UPDATES.md); they arrive through the fleet link."""
+
+    trusted_keys_dir: Path = Path("/etc/edge-agent/keys")  # *.pub: the keys updates must carry
+    trial_s: float = 300.0  # a new model must stay healthy this long before it is committed
+    max_trial_restarts: int = 3  # restarts during the trial that mean a crash loop: roll back
+    max_payload_bytes: int = 4 << 30  # refuse manifests declaring more
+    progress_interval_s: float = 5.0  # download progress reports, at most this often
+    retry_s: float = 30.0  # between download attempts
+
+
+@dataclass(frozen=True, slots=True)
 class AgentConfig:
     source: str = "<defaults>"
     server: ServerConfig = ServerConfig()
@@ -166,6 +186,7 @@ class AgentConfig:
     watchdog: WatchdogConfig = WatchdogConfig()
     sessions: SessionsConfig = SessionsConfig()
     fleet: FleetConfig = FleetConfig()
+    updates: UpdatesConfig = UpdatesConfig()
 
 
 def check_tcp(source: str, key: str, value: str, allow_remote: bool) -> str:
@@ -255,7 +276,25 @@ def parse_config(data: Mapping[str, object], source: str) -> AgentConfig:
         sessions = SessionsConfig(share=st.flag("share", default=d.sessions.share))
     ft = top.table("fleet", FLEET, required=False)
     fleet = _parse_fleet(ft, source) if ft is not None else d.fleet
-    return AgentConfig(source, server, limits, model, log, watchdog, sessions, fleet)
+    ut = top.table("updates", UPDATES, required=False)
+    updates = _parse_updates(ut) if ut is not None else d.updates
+    return AgentConfig(source, server, limits, model, log, watchdog, sessions, fleet, updates)
+
+
+def _parse_updates(t: Table) -> UpdatesConfig:
+    d = UpdatesConfig()
+
+    def num(key: str, lo: float, hi: float, default: float) -> float:
+        return t.number(key, lo, hi) if key in t.raw else default
+
+    return UpdatesConfig(
+        trusted_keys_dir=t.absolute_path("trusted_keys_dir") or d.trusted_keys_dir,
+        trial_s=num("trial_s", 0, 86400, d.trial_s),
+        max_trial_restarts=t.integer("max_trial_restarts", 1, 100, d.max_trial_restarts),
+        max_payload_bytes=t.size("max_payload_bytes", 1024, 1 << 40, d.max_payload_bytes),
+        progress_interval_s=num("progress_interval_s", 0.1, 3600, d.progress_interval_s),
+        retry_s=num("retry_s", 0.1, 3600, d.retry_s),
+    )
 
 
 def _parse_fleet(t: Table, source: str) -> FleetConfig:

@@ -15,21 +15,28 @@ import contextlib
 import dataclasses
 import logging
 import os
+import platform
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from agent import __version__
 from agent.config import AgentConfig, load_config, parse_broker
 from agent.engine.engine import Engine, EngineLimits, ModelInfo, estimate_memory
-from agent.errors import ConfigError, Unavailable
+from agent.errors import AgentError, ConfigError, Unavailable
 from agent.fleet.agent import FleetAgent, resolve_device_id
 from agent.fleet.topics import check_device_id
-from agent.modeldir import demo_model_dir
+from agent.modeldir import demo_model_dir, load_model_dir
+from agent.ota import canary
+from agent.ota.manifest import InstallContext
+from agent.ota.store import ModelRef, Store
+from agent.ota.updater import Updater
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
-from agent.profile import DeviceProfile, resolve_profile
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
+from agent.profile import DeviceProfile, choose_quantization, resolve_profile
 from agent.rpc.server import Server
 from agent.status import AgentStatus, rss_bytes
 from agent.systemd import Notifier
@@ -117,6 +124,16 @@ def _build(plan: _Plan) -> Engine:
     )
 
 
+def shipped_ref(plan: _Plan) -> ModelRef:
+    """The model that serves when no update was ever installed (version 0)."""
+    meta = load_model_dir(plan.model_dir)
+    quant = plan.quantization or choose_quantization(
+        plan.profile, [v.quantization for v in meta.variants]
+    )
+    variant = meta.variant(quant)
+    return ModelRef(str(plan.model_dir), quant, variant.sha256, 0, meta.version)
+
+
 class Daemon:
     def __init__(self, overrides: Overrides, notifier: Notifier | None = None) -> None:
         self.overrides = overrides
@@ -132,6 +149,8 @@ class Daemon:
         self._last_status = ""
         self._draining: list[threading.Thread] = []
         self._fleet: FleetAgent | None = None
+        self._updater: Updater | None = None
+        self._server: Server | None = None
         self._reload_waiters: list[asyncio.Future[fpb.ReloadDone]] = []
 
     # ------------------------------------------------------------------ Backend protocol
@@ -152,6 +171,66 @@ class Daemon:
         self._reload_waiters.append(future)
         self._request_reload()
         return future
+
+    # ------------------------------------------------------------------ updates (UpdateHost)
+
+    def install_context(self, installed: ModelRef) -> InstallContext:
+        assert self._plan is not None and self._updater is not None
+        inst = self._updater.installed()
+        return InstallContext(
+            model_name=load_model_dir(Path(installed.model_dir)).name,
+            installed_version=installed.version,
+            installed_sha256=installed.sha256,
+            profile=self._plan.profile.name,
+            arch=platform.machine(),
+            agent_version=__version__,
+            finished_update_ids=frozenset(inst.finished),
+            max_payload_bytes=self.config.updates.max_payload_bytes,
+        )
+
+    async def activate(self, ref: ModelRef, canary_spec: opb.Canary | None) -> None:
+        assert self._plan is not None
+        plan = dataclasses.replace(
+            self._plan, model_dir=Path(ref.model_dir), quantization=ref.quantization
+        )
+        self._state = "reloading"
+        try:
+            await self._switch_to(plan, lambda e: canary.check(e, canary_spec))
+        finally:
+            self._state = "serving"
+        log.info("update: now serving %s (%s)", ref.model_dir, ref.label or ref.version)
+
+    async def check_serving(self, canary_spec: opb.Canary | None) -> str | None:
+        e = self._engine
+        if e is None:
+            return "no engine is serving"
+        age = e.heartbeat_age()
+        if age >= self.config.watchdog.engine_stall_s:
+            return f"the engine thread has not answered for {age:.1f} s"
+        if canary_spec is None or not canary_spec.expected_tokens:
+            return None
+        want = list(canary_spec.expected_tokens)
+        got = await asyncio.get_running_loop().run_in_executor(
+            None, canary.expected_tokens, e, canary_spec.prompt, len(want)
+        )
+        return None if got == want else f"greedy tokens {got} != expected {want}"
+
+    def report(self, status: fpb.UpdateStatus) -> None:
+        if self._fleet is not None:
+            self._fleet.report_update(status)
+
+    async def offer_update(self, signed: bytes) -> fpb.UpdateStatus:
+        assert self._updater is not None
+        return await self._updater.offer(signed)
+
+    def _with_update(self, plan: _Plan) -> _Plan:
+        """The model an installed update made current wins over config and profile."""
+        if self._updater is None or self._updater.store.installed() is None:
+            return plan
+        ref = self._updater.serving_ref()
+        return dataclasses.replace(
+            plan, model_dir=Path(ref.model_dir), quantization=ref.quantization
+        )
 
     def status(self) -> AgentStatus:
         e = self._engine
@@ -177,10 +256,13 @@ class Daemon:
         self._wake = asyncio.Event()
         self._install_signals(asyncio.get_running_loop())
         t0 = time.monotonic()
-        self._plan = _plan(self.config, self.overrides)
+        base = _plan(self.config, self.overrides)
+        self._updater = Updater(Store(base.state_dir), self.config.updates, shipped_ref(base))
+        self._updater.boot()
+        self._plan = self._with_update(base)
         self.notifier.status(f"loading {self._plan.model_dir.name} on {self._plan.profile.name}")
         self._engine = await self._load(self._plan)
-        server = Server(self, self.config.server, self.config.limits.max_tokens)
+        server = self._server = Server(self, self.config.server, self.config.limits.max_tokens)
         await server.start()
         self._state = "serving"
         await server.set_serving(True)
@@ -196,6 +278,9 @@ class Daemon:
             self._plan.profile.name,
         )
         self._start_fleet()
+        self._updater.blocks = self._fleet.link if self._fleet is not None else None
+        self._updater.attach(self)
+        await self._updater.resume()
         self.notifier.ready(self._status_line())
         try:
             await self._main_loop(server)
@@ -266,7 +351,8 @@ class Daemon:
                     if not w.done():
                         w.set_result(done)
                 if self._fleet is not None:
-                    self._fleet.reload_done(done)
+                    self._fleet.reload_done(done)  # on disk before READY says it is over
+                self.notifier.ready(self._status_line())
             self._tick()
 
     def _tick(self) -> None:
@@ -302,22 +388,13 @@ class Daemon:
         done = fpb.ReloadDone(ok=True)
         try:
             config = _apply(load_config(self.overrides.config_path), self.overrides)
-            plan = _plan(config, self.overrides)
+            plan = self._with_update(_plan(config, self.overrides))
             if config.fleet != self.config.fleet:
                 log.warning("reload: [fleet] changes take effect at the next restart")
             self.config = config
             if plan != self._plan:
                 self._state = "reloading"
-                if not self._fits_beside(plan):
-                    await self._drain_current(server)
-                elif self._engine is not None:
-                    self._engine.hand_over_sessions()
-                new = await self._load(plan)
-                await server.set_serving(False)
-                old, self._engine, self._plan = self._engine, new, plan
-                await server.set_serving(True)
-                if old is not None:
-                    self._drain_in_background(old)
+                new = await self._switch_to(plan)
                 log.info("reloaded: now serving %s %s", new.info.name, new.info.quantization)
                 done.message = "reloaded"
             else:
@@ -326,15 +403,46 @@ class Daemon:
         except Exception as exc:  # a bad new config keeps the old one serving
             log.error("reload failed, keeping the previous model: %s", exc)
             done.ok, done.message = False, f"reload failed, the previous model serves: {exc}"
-            if self._engine is None and self._plan is not None:  # it was drained for the new one
-                self._engine = await self._load(self._plan)
-                await server.set_serving(True)
         self._state = "serving"
         if self._engine is not None:
             i = self._engine.info
             done.model = f"{i.name} {i.version} {i.quantization}"
-        self.notifier.ready(self._status_line())
         return done
+
+    async def _switch_to(
+        self, plan: _Plan, check: Callable[[Engine], str | None] | None = None
+    ) -> Engine:
+        """Load `plan`'s engine (beside the serving one when the budget holds both, else after
+        draining it), run `check` on it before it serves, and switch new requests to it; the
+        old engine finishes its in-flight requests in the background. On any failure the
+        previous engine serves (again) and the error propagates."""
+        assert self._server is not None
+        server = self._server
+        drained = not self._fits_beside(plan)
+        if drained:
+            await self._drain_current(server)
+        elif self._engine is not None:
+            self._engine.hand_over_sessions()
+        try:
+            new = await self._load(plan)
+            problem = None
+            if check is not None:
+                problem = await asyncio.get_running_loop().run_in_executor(None, check, new)
+            if problem is not None:
+                new.stop(0)
+                new.close()
+                raise AgentError(f"the new model failed its canary: {problem}")
+        except Exception:
+            if drained and self._plan is not None:  # the old one was unloaded for the new one
+                self._engine = await self._load(self._plan)
+                await server.set_serving(True)
+            raise
+        await server.set_serving(False)
+        old, self._engine, self._plan = self._engine, new, plan
+        await server.set_serving(True)
+        if old is not None:
+            self._drain_in_background(old)
+        return new
 
     def _fits_beside(self, plan: _Plan) -> bool:
         """Whether the new model can load while the current one still serves."""
@@ -375,6 +483,8 @@ class Daemon:
     async def _shutdown(self, server: Server) -> None:
         loop = asyncio.get_running_loop()
         self._state = "stopping"
+        if self._updater is not None:
+            self._updater.stop()
         timeout = self.config.limits.drain_timeout_s
         self.notifier.stopping(f"stopping: draining in-flight requests (up to {timeout:.0f} s)")
         await server.set_serving(False)

@@ -5,6 +5,7 @@ Commands run on the daemon's event loop, at most `MAX_COMMANDS` at once:
   ping    → Pong (time, session)
   status  → a fresh Health
   reload  → what SIGHUP does; answered when the reload has finished, and recorded as an event
+  update  → a signed manifest (docs/UPDATES.md): answered when accepted or rejected
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class FleetBackend(Protocol):
     def model_info(self) -> ModelInfo: ...
 
     def reload(self) -> Awaitable[fpb.ReloadDone]: ...
+
+    def offer_update(self, signed: bytes) -> Awaitable[fpb.UpdateStatus]: ...
 
 
 def resolve_device_id(fleet: FleetConfig, machine_id: Path = MACHINE_ID) -> str:
@@ -162,6 +165,11 @@ class FleetAgent:
     def reload_done(self, done: fpb.ReloadDone) -> None:
         self.record(fpb.Event(reload=done))
 
+    def report_update(self, status: fpb.UpdateStatus) -> None:
+        """An update's transition: kept on disk until delivered, and shown in health."""
+        self.last_update = status
+        self.record(fpb.Event(update=status))
+
     # ------------------------------------------------------------------ fleet → daemon
 
     def _device_state(self, kind: fpb.DeviceState.Kind, session: int) -> fpb.DeviceState:
@@ -218,13 +226,26 @@ class FleetAgent:
         reply(response)
 
     def _handlers(self) -> dict[str, Callable[[fpb.Command], Awaitable[fpb.CommandResponse]]]:
-        return {"ping": self._ping, "status": self._status, "reload": self._reload}
+        return {
+            "ping": self._ping,
+            "status": self._status,
+            "reload": self._reload,
+            "update": self._update,
+        }
 
     async def _ping(self, command: fpb.Command) -> fpb.CommandResponse:
         return Code(pong=fpb.Pong(timestamp_unix=time.time(), session=self.link.session))
 
     async def _status(self, command: fpb.Command) -> fpb.CommandResponse:
         return Code(status=self._snapshot(self.reporter.seq))
+
+    async def _update(self, command: fpb.Command) -> fpb.CommandResponse:
+        """The body is a SignedManifest: answered once it is verified and recorded (or
+        rejected); every later transition is reported on <prefix>/<device>/update/status."""
+        status = await self._backend.offer_update(command.body)
+        ok = status.phase == fpb.UpdateStatus.RECEIVED
+        code = Code.OK if ok else Code.INVALID_ARGUMENT
+        return Code(code=code, message=status.message, update=status)
 
     async def _reload(self, command: fpb.Command) -> fpb.CommandResponse:
         done = await self._backend.reload()

@@ -248,6 +248,43 @@ def cmd_fleet_send(args: argparse.Namespace) -> int:
     return 0 if resp.code == pb.CommandResponse.OK else EXIT_FAILED
 
 
+def cmd_fleet_publish_update(args: argparse.Namespace) -> int:
+    from agent.fleet.operator import FleetError
+    from agent.fleet.publish import online_devices, publish_update
+
+    try:
+        opts, fleet = _connection(args)
+        prefix = args.prefix or fleet.topic_prefix
+        if bool(args.device) == bool(args.all):
+            raise _Usage("give --device ID (repeatable) or --all")
+        for d in args.device:
+            if not DEVICE_ID_RE.fullmatch(d):
+                raise _Usage(f"device id {d!r} is not valid (A-Z a-z 0-9 _ . : -)")
+    except _Usage as exc:
+        return _fail(str(exc))
+
+    def show(device: str, st: pb.UpdateStatus) -> None:
+        phase = pb.UpdateStatus.Phase.Name(st.phase)
+        size = f" {st.downloaded_bytes}/{st.total_bytes} B" if st.total_bytes else ""
+        print(f"{device}: {phase}{size} {st.message}".rstrip(), flush=True)
+
+    try:
+        devices = list(args.device) or online_devices(opts, prefix)
+        if not devices:
+            print("no online devices", file=sys.stderr)
+            return 1
+        result = publish_update(
+            opts, prefix, Path(args.bundle), devices, timeout_s=args.timeout, on_status=show
+        )
+    except FleetError as exc:
+        print(f"edge-agent: {exc}", file=sys.stderr)
+        return 1
+    done = {d: p.status for d, p in result.items()}
+    committed = [d for d, st in done.items() if st and st.phase == pb.UpdateStatus.COMMITTED]
+    print(f"{len(committed)} of {len(done)} devices committed the update")
+    return 0 if len(committed) == len(done) else 1
+
+
 # ----------------------------------------------------------------------------- parser
 
 
@@ -307,3 +344,17 @@ def add_fleet_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--json", action="store_true", help="print the CommandResponse as JSON")
     _connection_args(p)
     p.set_defaults(func=cmd_fleet_send)
+
+    p = sub.add_parser(
+        "publish-update",
+        help="offer a signed update bundle to devices, serve it over MQTT if it has no URL, "
+        "and follow them until committed / rolled back / rejected",
+    )
+    p.add_argument("bundle", help="a bundle from `edge-agent update make`")
+    p.add_argument("--device", action="append", default=[], metavar="ID", help="(repeatable)")
+    p.add_argument("--all", action="store_true", help="every device whose state is online")
+    p.add_argument(
+        "--timeout", type=float, default=1800.0, metavar="S", help="give up after S (1800)"
+    )
+    _connection_args(p)
+    p.set_defaults(func=cmd_fleet_publish_update)

@@ -1,0 +1,138 @@
+"""`edge-agent fleet publish-update BUNDLE --device ID | --all`: offer a signed update to devices,
+serve its payload in blocks over MQTT when the manifest has no URL, and follow each device's
+update status until it is final (committed, rolled back, rejected or failed)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+from google.protobuf.message import DecodeError
+
+from agent.fleet.mqtt import MqttOptions, publish_properties
+from agent.fleet.operator import FleetError, _client_id, _Link, send, watch
+from agent.fleet.topics import Topics, parse
+from agent.fleet.watch import Presence
+from agent.ota.bundle import read_bundle
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
+
+log = logging.getLogger(__name__)
+
+MAX_BLOCK = 1 << 20
+FINAL = (
+    fpb.UpdateStatus.COMMITTED,
+    fpb.UpdateStatus.ROLLED_BACK,
+    fpb.UpdateStatus.REJECTED,
+    fpb.UpdateStatus.FAILED,
+)
+
+
+@dataclass
+class Progress:
+    device: str
+    status: fpb.UpdateStatus | None = None
+    blocks_served: int = 0
+
+    @property
+    def final(self) -> bool:
+        return self.status is not None and self.status.phase in FINAL
+
+
+def online_devices(opts: MqttOptions, prefix: str) -> list[str]:
+    """Every device whose retained state says online."""
+    view = watch(opts, prefix, once=True, settle_s=0.5, timeout_s=15.0, out=None)
+    rows = view.rows(time.time())
+    return sorted(r.device.device_id for r in rows if r.presence == Presence.ONLINE)
+
+
+def publish_update(
+    opts: MqttOptions,
+    prefix: str,
+    bundle: Path,
+    devices: list[str],
+    *,
+    timeout_s: float = 600.0,
+    on_status: Callable[[str, fpb.UpdateStatus], None] | None = None,
+) -> dict[str, Progress]:
+    """Offer `bundle` to `devices` and follow them until each is final or `timeout_s` passes."""
+    signed, payload = read_bundle(bundle)
+    manifest = opb.Manifest.FromString(signed.manifest)
+    progress = {d: Progress(d) for d in devices}
+    by_block = {Topics(prefix, d).block_request: d for d in devices}
+
+    def on_message(msg: mqtt.MQTTMessage) -> None:
+        p = parse(prefix, msg.topic)
+        if p is None or p.kind != "update" or p.device not in progress or msg.retain:
+            return
+        if msg.topic in by_block:
+            serve_block(p.device, bytes(msg.payload))
+            return
+        if p.name != "status":
+            return
+        try:
+            event = fpb.Event.FromString(bytes(msg.payload))
+        except DecodeError:
+            return
+        if event.WhichOneof("kind") == "update" and event.update.update_id == manifest.update_id:
+            progress[p.device].status = event.update
+            if on_status is not None:
+                on_status(p.device, event.update)
+
+    def serve_block(device: str, data: bytes) -> None:
+        try:
+            req = opb.BlockRequest.FromString(data)
+        except DecodeError:
+            return
+        if req.update_id != manifest.update_id or req.offset >= payload.size:
+            return
+        length = min(req.length, MAX_BLOCK, payload.size - req.offset)
+        with open(payload.path, "rb") as f:
+            f.seek(payload.offset + req.offset)
+            chunk = f.read(length)
+        block = opb.Block(
+            update_id=req.update_id, offset=req.offset, data=chunk, total=payload.size
+        )
+        props = publish_properties(opts, "edge_agent.ota.v1.Block")
+        link.client.publish(
+            Topics(prefix, device).block_data, block.SerializeToString(), qos=1, properties=props
+        )
+        progress[device].blocks_served += 1
+
+    deadline = time.monotonic() + timeout_s
+    link = _Link(opts, _client_id("publish"), on_message)
+    try:
+        link.connect(deadline)
+        filters = []
+        for d in devices:
+            t = Topics(prefix, d)
+            filters += [(t.update_status, 1), (t.block_request, 1)]
+        link.subscribe(filters, deadline)
+        for d in devices:  # the manifest, as the body of the update command
+            try:
+                resp = send(opts, prefix, d, "update", {}, signed.SerializeToString(), 30.0)
+            except FleetError as exc:
+                progress[d].status = fpb.UpdateStatus(
+                    update_id=manifest.update_id, phase=fpb.UpdateStatus.FAILED, message=str(exc)
+                )
+                continue
+            if resp.HasField("update"):
+                progress[d].status = resp.update
+            if resp.code != fpb.CommandResponse.OK and not progress[d].final:
+                progress[d].status = fpb.UpdateStatus(
+                    update_id=manifest.update_id,
+                    phase=fpb.UpdateStatus.REJECTED,
+                    message=resp.message,
+                )
+            status = progress[d].status
+            if on_status is not None and status is not None:
+                on_status(d, status)
+        while not all(p.final for p in progress.values()) and time.monotonic() < deadline:
+            link.pump(min(0.2, max(0.0, deadline - time.monotonic())))
+    finally:
+        link.close()
+    return progress
