@@ -384,6 +384,60 @@ def test_replay_after_success_is_rejected(models, trusted, broker, tmp_path):
         assert d.stop() == 0, d.read_log()
 
 
+def test_a_model_that_fails_its_canary_never_serves(models, trusted, broker, tmp_path):
+    served = Served(tmp_path / "payload.bin")
+    http = PayloadServer(served)
+    path = bundle(models, tmp_path, payload_url=http.url, version=6)
+    read_bundle(path)[1].extract(served.path)
+    watch = Observer(broker, "ota-canary")
+    d = start(tmp_path, models, broker, trusted, "dev-canary")
+
+    def expect_wrong_tokens(m: opb.Manifest) -> None:
+        m.canary.prompt = "def f(x):"
+        m.canary.expected_tokens.extend([3, 3, 3, 3])  # not what the new model says
+
+    try:
+        body = _resign(path, expect_wrong_tokens)
+        resp = send(options(broker), PREFIX, "dev-canary", "update", {}, body, 30)
+        assert resp.update.phase == Phase.RECEIVED, resp
+        final = wait_final(watch, "dev-canary")
+        assert final.phase == Phase.ROLLED_BACK and "canary" in final.message, final
+        assert d.client().info()["version"] == "1.0.0"
+        assert d.client().generate(_req()).finish_reason in ("length", "stop")
+    finally:
+        assert d.stop() == 0, d.read_log()
+        http.close()
+        watch.close()
+
+
+def test_a_failing_health_check_in_the_trial_rolls_back(models, trusted, broker, tmp_path):
+    served = Served(tmp_path / "payload.bin")
+    http = PayloadServer(served)
+    path = bundle(models, tmp_path, payload_url=http.url, version=9)
+    read_bundle(path)[1].extract(served.path)
+    watch = Observer(broker, "ota-trial-health")
+    d = start(tmp_path, models, broker, trusted, "dev-trial", trial_s=30.0)
+    d.config.write_text(d.config.read_text() + "[watchdog]\nengine_stall_s = 1\n")
+    try:
+        d.signal(signal.SIGHUP)  # the shorter stall limit applies from now on
+        resp = send(options(broker), PREFIX, "dev-trial", "update", {}, _signed(path), 30)
+        assert resp.update.phase == Phase.RECEIVED
+        deadline = time.monotonic() + 60
+        while Phase.TRIAL not in [s.phase for s in statuses(watch, "dev-trial")]:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert d.client().info()["version"] == "1.1.0"
+        d.signal(signal.SIGUSR2)  # fault injection: the new engine's thread stops answering
+        final = wait_final(watch, "dev-trial")
+        assert final.phase == Phase.ROLLED_BACK and "health check" in final.message, final
+        assert d.client().info()["version"] == "1.0.0"
+        assert d.client().generate(_req()).finish_reason in ("length", "stop")
+    finally:
+        d.stop()
+        http.close()
+        watch.close()
+
+
 # ----------------------------------------------------------------------------- crashes
 
 

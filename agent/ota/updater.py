@@ -108,6 +108,10 @@ class Updater:
                 rec.state, rec.trial_started_unix = R.TRIAL, rec.trial_started_unix or time.time()
             else:
                 self._finish(rec, R.ROLLED_BACK, "the agent restarted while activating")
+        if rec is not None and rec.state == R.ROLLED_BACK:
+            target = self._manifest(rec).target_model_sha256
+            if inst.current.sha256 == target:  # a crash between the record and the switch
+                inst = self._rollback_pointer(rec, rec.reason, report=False)
         if rec is not None and rec.state == R.TRIAL:
             rec.trial_restarts += 1
             self.store.save(rec)
@@ -129,12 +133,18 @@ class Updater:
             return self.shipped
         raise AgentError(f"no usable model: {problem}")
 
-    def _rollback_pointer(self, rec: opb.UpdateRecord, reason: str) -> Installed:
+    def _rollback_pointer(
+        self, rec: opb.UpdateRecord, reason: str, report: bool = True
+    ) -> Installed:
+        """Record the rollback, then point back at the last known good model. (In this order:
+        `boot` completes a pointer switch that a crash interrupted.)"""
+        self._finish(rec, R.ROLLED_BACK, reason, report=False)
         inst = self.installed()
-        previous = inst.last_good or self.shipped
-        rolled = Installed(previous, None, (*inst.finished, self._manifest(rec).update_id))
+        previous = inst.last_good if inst.last_good != inst.current else None
+        rolled = Installed(previous or self.shipped, None, inst.finished)
         self.store.switch(rolled)
-        self._finish(rec, R.ROLLED_BACK, reason)
+        if report:
+            self._report(rec, reason)
         return rolled
 
     # ------------------------------------------------------------------ entry points
@@ -330,13 +340,16 @@ class Updater:
         self.store.remove_unused(keep)
 
     async def _rollback(self, rec: opb.UpdateRecord, reason: str) -> None:
+        """Serve the last known good model again; reported once it serves."""
         assert self.host is not None
-        inst = self._rollback_pointer(rec, reason)
+        inst = self._rollback_pointer(rec, reason, report=False)
         try:
             await self.host.activate(inst.current, None)
         except Exception:
             log.exception("rollback: reloading %s failed; restarting", inst.current.model_dir)
             os._exit(1)  # the pointer names the old model: a restart serves it
+        self.store.remove_unused([Path(inst.current.model_dir)])
+        self._report(rec, reason)
 
     # ------------------------------------------------------------------ records and reports
 
@@ -347,7 +360,9 @@ class Updater:
         self._report(rec, message)
         crash_point(R.State.Name(state).lower())
 
-    def _finish(self, rec: opb.UpdateRecord, state: int, message: str, code: str = "") -> None:
+    def _finish(
+        self, rec: opb.UpdateRecord, state: int, message: str, code: str = "", report: bool = True
+    ) -> None:
         rec.state = state  # type: ignore[assignment]
         rec.reason = message
         self.store.save(rec)
@@ -357,9 +372,15 @@ class Updater:
             if m.update_id not in inst.finished:
                 self.store.switch(dataclasses.replace(inst, finished=(*inst.finished, m.update_id)))
             self.store.payload_path(m.update_id).unlink(missing_ok=True)
-            if rec.staged_model_dir and Path(rec.staged_model_dir) != Path(inst.current.model_dir):
+            serving = {Path(inst.current.model_dir), Path(rec.previous_model_dir)}
+            if (
+                rec.staged_model_dir
+                and state == R.REJECTED
+                and Path(rec.staged_model_dir) not in serving
+            ):
                 shutil.rmtree(rec.staged_model_dir, ignore_errors=True)
-        self._report(rec, message, code)
+        if report:
+            self._report(rec, message, code)
         (log.info if state == R.COMMITTED else log.warning)(
             "update %s: %s: %s", self._manifest(rec).update_id, R.State.Name(state), message
         )
