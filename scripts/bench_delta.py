@@ -17,7 +17,7 @@ For each: delta size, time to make it, time to apply it and the peak RSS of appl
 tool in a fresh process (Python tools: peak RSS above the interpreter's after imports; the
 zstd CLI: its whole peak RSS). Our apply time includes checking the base's sha256.
 
-Writes its section of docs/_updates_delta.md.
+Writes its section of docs/UPDATES.md.
 
     python scripts/bench_delta.py [--rounds 3] [--no-write]
 """
@@ -50,7 +50,7 @@ from agent.ota.delta_regions import tflite_regions  # noqa: E402
 MIB = 1 << 20
 ZSTD = "/usr/bin/zstd"
 TIME = "/usr/bin/time"
-DOC = ROOT / "docs" / "_updates_delta.md"
+DOC = ROOT / "docs" / "UPDATES.md"
 BEGIN, END = "<!-- bench:updates-delta:begin -->", "<!-- bench:updates-delta:end -->"
 GOAL = 0.11
 

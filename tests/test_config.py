@@ -90,6 +90,9 @@ share = true
         ({"fleet": {"cert_file": "/etc/c.crt"}}, "fleet.key_file", "cert_file and key_file"),
         ({"fleet": {"health_interval_s": 0}}, "fleet.health_interval_s", "from 1"),
         ({"fleet": {"brokr": "mqtt://h"}}, "fleet.brokr", "did you mean 'broker'"),
+        ({"updates": {"trusted_keys_dir": "keys"}}, "updates.trusted_keys_dir", "absolute"),
+        ({"updates": {"max_trial_restarts": 0}}, "updates.max_trial_restarts", "from 1 to 100"),
+        ({"updates": {"trial_s": -1}}, "updates.trial_s", "from 0"),
     ],
 )
 def test_errors_name_file_key_value_and_rule(doc, key, fragment) -> None:
@@ -128,3 +131,11 @@ def test_fleet_section() -> None:
     assert cfg.health_interval_s == 30.0 and cfg.topic_prefix == "fleet/v1"
     plain = parse_config({"fleet": {"broker": "mqtt://broker.lan"}}, SRC).fleet.broker
     assert plain is not None and (plain.port, plain.tls) == (1883, False)
+
+
+def test_updates_section() -> None:
+    cfg = parse_config(
+        {"updates": {"trusted_keys_dir": "/etc/k", "trial_s": 10, "max_trial_restarts": 2}}, SRC
+    ).updates
+    assert (str(cfg.trusted_keys_dir), cfg.trial_s, cfg.max_trial_restarts) == ("/etc/k", 10.0, 2)
+    assert cfg.max_payload_bytes == 4 << 30 and AgentConfig().updates.trial_s == 300.0
