@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from agent.fleet.operator import FleetError, send
 from agent.fleet.publish import publish_update
 from agent.fleet.topics import Topics
-from agent.modeldir import load_model_dir, write_model_dir_metadata
+from agent.modeldir import load_model_dir
 from agent.ota import keys
 from agent.ota.bundle import make_bundle, read_bundle
 from agent.ota.manifest import sign
@@ -28,6 +30,7 @@ from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from tests.broker import Mosquitto
 from tests.daemon_harness import Daemon
 from tests.httpserver import PayloadServer, Served
+from tests.test_bundle import _write_meta as write_meta
 from tests.test_fleet import PREFIX, Observer, options
 
 Phase = fpb.UpdateStatus
@@ -46,21 +49,7 @@ def _copy_variant(src: Path, dst: Path, version: str) -> None:
     dst.mkdir()
     shutil.copy(src / "model_int8.tflite", dst / "model_int8.tflite")
     shutil.copy(meta.tokenizer_path, dst / "tokenizer.model")
-    _meta(dst, meta, version)
-
-
-def _meta(d: Path, meta, version: str) -> None:  # type: ignore[no-untyped-def]
-    write_model_dir_metadata(
-        d,
-        name=meta.name,
-        version=version,
-        context_length=meta.context_length,
-        bos_id=meta.bos_id,
-        eos_id=meta.eos_id,
-        stop_token_ids=meta.stop_token_ids,
-        chat_template=meta.chat_template,
-        variants=[("model_int8.tflite", "int8")],
-    )
+    write_meta(dst, meta, version)
 
 
 def _fine_tune(path: Path, fraction: float = 0.1) -> None:
@@ -98,7 +87,7 @@ def models(tiny_model_dir, tmp_path_factory) -> Models:
     _copy_variant(tiny_model_dir, base, "1.0.0")
     _copy_variant(tiny_model_dir, new, "1.1.0")
     _fine_tune(new / "model_int8.tflite")
-    _meta(new, load_model_dir(tiny_model_dir), "1.1.0")
+    write_meta(new, load_model_dir(tiny_model_dir), "1.1.0")
     return Models(base, new)
 
 
@@ -370,8 +359,17 @@ def test_replay_after_success_is_rejected(models, trusted, broker, tmp_path):
     path = bundle(models, tmp_path, version=3)
     d = start(tmp_path, models, broker, trusted, "dev-replay")
     try:
-        result = publish_update(options(broker), PREFIX, path, ["dev-replay"], timeout_s=90)
-        assert result["dev-replay"].status.phase == Phase.COMMITTED
+        # through the operator's command line this time
+        argv = ["fleet", "publish-update", str(path), "--device", "dev-replay"]
+        cli = subprocess.run(
+            [sys.executable, "-m", "agent", *argv, "--broker", broker.url, "--timeout", "90"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert cli.returncode == 0, cli.stderr
+        assert "dev-replay: COMMITTED" in cli.stdout
+        assert "1 of 1 devices committed" in cli.stdout
         resp = send(options(broker), PREFIX, "dev-replay", "update", {}, _signed(path), 30)
         assert resp.update.phase == Phase.REJECTED
         assert resp.update.reason_code == "replay", resp.update

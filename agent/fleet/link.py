@@ -20,11 +20,10 @@ import logging
 import random
 import ssl
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import paho.mqtt.client as mqtt
 from google.protobuf.message import DecodeError
@@ -39,7 +38,7 @@ from agent.fleet.mqtt import (
 )
 from agent.fleet.outbox import Outbox
 from agent.fleet.topics import COMMAND_RE, Topics
-from agent.kv.atomic import atomic_write
+from agent.kv.atomic import atomic_write_bytes
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
@@ -83,7 +82,7 @@ class SessionCounter:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             data = f"{self.value}\n".encode()
-            atomic_write(self.path, lambda f: _write(f, data), time.time_ns())
+            atomic_write_bytes(self.path, data)
         except OSError as exc:  # a read-only state dir must not stop the link
             log.warning("cannot persist the fleet session number in %s: %s", self.path, exc)
         return self.value
@@ -365,7 +364,3 @@ class FleetLink:
             if waiting is not None and not waiting:
                 waiting.append(block)
                 self._block_cv.notify_all()
-
-
-def _write(f: IO[bytes], data: bytes) -> None:
-    f.write(data)

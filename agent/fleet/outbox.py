@@ -19,13 +19,12 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Final
+from typing import Final
 
 from google.protobuf.message import DecodeError
 
-from agent.kv.atomic import atomic_write, is_temp
+from agent.kv.atomic import atomic_write_bytes, is_temp
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 
 log = logging.getLogger(__name__)
@@ -120,12 +119,10 @@ class Outbox:
         if not self._use_disk:
             return
         try:
-            atomic_write(
-                self.dir / SEQ_FILE, _writer(f"{self._last_seq}\n".encode()), time.time_ns()
-            )
+            atomic_write_bytes(self.dir / SEQ_FILE, f"{self._last_seq}\n".encode())
             for seq in sorted(self._unsaved):
                 data = self._items[seq].SerializeToString()
-                atomic_write(self.dir / event_name(seq), _writer(data), time.time_ns())
+                atomic_write_bytes(self.dir / event_name(seq), data)
                 self._unsaved.discard(seq)
         except OSError as exc:
             if self._disk_ok:
@@ -220,13 +217,6 @@ def _remove(path: Path) -> int:
         path.unlink()
         return 1
     return 0
-
-
-def _writer(data: bytes) -> Callable[[IO[bytes]], None]:
-    def write(f: IO[bytes]) -> None:
-        f.write(data)
-
-    return write
 
 
 def _copy(event: fpb.Event) -> fpb.Event:

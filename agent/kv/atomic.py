@@ -22,8 +22,14 @@ def is_temp(name: str) -> bool:
     return name.startswith(".") and name.endswith(TEMP_SUFFIX)
 
 
-def atomic_write(path: Path, write: Callable[[IO[bytes]], None], mtime_ns: int) -> None:
-    """Replace `path` (mode 0600) with what `write` writes, with modification time `mtime_ns`.
+def atomic_write(
+    path: Path,
+    write: Callable[[IO[bytes]], None],
+    mtime_ns: int | None = None,
+    mode: int = 0o600,
+) -> None:
+    """Replace `path` (`mode`, 0600 by default) with what `write` writes; with modification
+    time `mtime_ns` when given.
 
     Raises the `OSError` of a failed step; the temp file is removed whatever fails.
     """
@@ -33,7 +39,10 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None], mtime_ns: int) 
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.utime(tmp, ns=(mtime_ns, mtime_ns))
+        if mtime_ns is not None:
+            os.utime(tmp, ns=(mtime_ns, mtime_ns))
+        if mode != 0o600:  # mkstemp's
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -46,3 +55,12 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None], mtime_ns: int) 
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """`atomic_write` of a bytes value."""
+
+    def write(f: IO[bytes]) -> None:
+        f.write(data)
+
+    atomic_write(path, write, mode=mode)

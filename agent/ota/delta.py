@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
-from agent.kv.atomic import TEMP_SUFFIX
+from agent.kv.atomic import TEMP_SUFFIX, atomic_write
 from agent.modeldir import sha256_file
 from agent.ota.delta_apply import apply_ops
 from agent.ota.delta_diff import DEFAULT_LEVEL, Counts, OpWriter, diff_regions, diff_whole
@@ -94,19 +94,7 @@ def _mapped(path: Path) -> Iterator[bytes | mmap.mmap]:
 
 def _write_atomic(out: Path, write: Callable[[IO[bytes]], None]) -> None:
     """Write `out` through a temp file beside it, renamed into place when `write` returns."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=TEMP_SUFFIX, dir=out.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(out.parent)
+    atomic_write(out, write, mode=0o644)
 
 
 def _plan(pair: _Pair) -> tuple[DeltaEntry, list[Region] | None, list[Region] | None]:

@@ -21,9 +21,9 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from agent.kv.atomic import atomic_write
+from agent.kv.atomic import atomic_write_bytes
 from agent.modeldir import load_model_dir, sha256_file
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
@@ -61,11 +61,8 @@ class Installed:
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
-    def write(f: IO[bytes]) -> None:
-        f.write(data)
-
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, write, time.time_ns())
+    atomic_write_bytes(path, data)
 
 
 class Store:
