@@ -24,6 +24,7 @@ from agent.fleet.topics import Topics
 from agent.modeldir import load_model_dir
 from agent.ota import keys
 from agent.ota.bundle import make_bundle, read_bundle
+from agent.ota.fetch import CHUNK
 from agent.ota.manifest import sign
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
@@ -88,6 +89,18 @@ def models(tiny_model_dir, tmp_path_factory) -> Models:
     _copy_variant(tiny_model_dir, new, "1.1.0")
     _fine_tune(new / "model_int8.tflite")
     write_meta(new, load_model_dir(tiny_model_dir), "1.1.0")
+    return Models(base, new)
+
+
+@pytest.fixture(scope="module")
+def big_models(tiny_model_dir, tmp_path_factory) -> Models:
+    """An update that touches every int8 tensor: a payload of several blocks and chunks."""
+    root = tmp_path_factory.mktemp("ota-big")
+    base, new = root / "base", root / "new"
+    _copy_variant(tiny_model_dir, base, "1.0.0")
+    _copy_variant(tiny_model_dir, new, "1.2.0")
+    _fine_tune(new / "model_int8.tflite", fraction=1.0)
+    write_meta(new, load_model_dir(tiny_model_dir), "1.2.0")
     return Models(base, new)
 
 
@@ -465,6 +478,35 @@ def test_sigkill_in_each_state_serves_old_or_new_whole(state, models, trusted, b
         assert final.phase == want, (final, phases(watch, device))
         assert d.client().info()["version"] == ("1.1.0" if want == Phase.COMMITTED else "1.0.0")
         assert d.client().generate(_req()).finish_reason in ("length", "stop")
+    finally:
+        d.stop()
+        http.close()
+        watch.close()
+
+
+def test_a_download_resumes_after_a_crash_in_the_middle(big_models, trusted, broker, tmp_path):
+    served = Served(tmp_path / "payload.bin")
+    http = PayloadServer(served)
+    path = bundle(big_models, tmp_path, payload_url=http.url, version=2)
+    size = read_bundle(path)[1].extract(served.path).stat().st_size
+    assert size > CHUNK, size  # more than one read: the crash comes after the first
+    watch = Observer(broker, "ota-mid-download")
+    device = "dev-mid-download"
+    d = start(tmp_path, big_models, broker, trusted, device, EDGE_AGENT_OTA_CRASH_AT="mid-download")
+    try:
+        with contextlib.suppress(FleetError):
+            send(options(broker), PREFIX, device, "update", {}, _signed(path), 10)
+        assert d.proc.wait(60) == -signal.SIGKILL
+        d.stop()
+        part = next((tmp_path / "state" / "ota" / "payload").glob("*.part"))
+        kept = part.stat().st_size
+        assert 0 < kept < size
+        d = start(tmp_path, big_models, broker, trusted, device)
+        final = wait_final(watch, device)
+        assert final.phase == Phase.COMMITTED, (final, phases(watch, device))
+        assert served.requests[-1].startswith("bytes=")  # the restart asked for the rest
+        assert int(served.requests[-1].removeprefix("bytes=").rstrip("-")) >= kept
+        assert d.client().info()["version"] == "1.2.0"
     finally:
         d.stop()
         http.close()

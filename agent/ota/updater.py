@@ -250,6 +250,8 @@ class Updater:
 
         def progress(have: int) -> None:
             rec.downloaded = have
+            if have < m.payload_size:
+                crash_point("mid-download")
             if limit.ready(force=have == m.payload_size):
                 self.store.save(rec)
                 self._report(rec, f"{have} of {m.payload_size} bytes")
