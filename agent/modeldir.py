@@ -44,6 +44,7 @@ QUANTIZATIONS = (
     "int4_block64",
     "int4_block128",
     "mixed",
+    "int8_weight_only",  # int8 on disk, float in memory: what the legacy backend runs
 )
 METADATA_FILE = "metadata.json"
 FORMAT_VERSION = 1

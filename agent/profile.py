@@ -60,10 +60,12 @@ FOOTPRINT_ORDER: Final = (
     "int4_block32",
     "int8",
     "mixed",
+    "int8_weight_only",  # int8 on disk, dequantized to float when it loads
     "fp32",
 )
-# tflite-runtime 2.14 cannot run int4 blockwise graphs (EMBEDDING_LOOKUP type error, FACTS.md).
-_INT4: Final = frozenset(q for q in QUANTIZATIONS if q.startswith("int4_"))
+# tflite-runtime 2.14 cannot run int4 blockwise graphs (EMBEDDING_LOOKUP type error, FACTS.md),
+# and its dynamic-range int8 kernels compute zeros (measured): it runs weight-only int8 or fp32.
+LEGACY_ORDER: Final = ("int8_weight_only", "fp32")
 
 # Detection scores (see docs/PROFILES.md).
 SCORE_DEVICE_TREE: Final = 1000
@@ -391,12 +393,12 @@ def parse_profile(data: Mapping[str, object], source: str | Path) -> DeviceProfi
                 True,
                 "false with backend 'tflite-runtime' (it cannot load STABLEHLO_COMPOSITE ops)",
             )
-        if model.quantization in _INT4:
+        if model.quantization not in (AUTO, *LEGACY_ORDER):
             raise model_t.error(
                 "quantization",
                 model.quantization,
-                "'auto' or a non-int4 quantization with backend 'tflite-runtime' "
-                "(it cannot run int4 blockwise graphs)",
+                "'auto', 'int8_weight_only' or 'fp32' with backend 'tflite-runtime' (it cannot "
+                "run int4 graphs, and its dynamic-range int8 kernels compute zeros)",
             )
         if npu is not None and npu.kind == "dispatch":
             raise ConfigError(
@@ -516,8 +518,11 @@ def quantization_preference(max_num_bytes: int, backend: str = "ai-edge-litert")
 
     Under 2 GiB int4 (block32, then 64, then 128), from 2 GiB up to and including 4 GiB int8,
     above 4 GiB mixed. After the preferred ones come the smaller-footprint ones (largest first),
-    then the larger ones (smallest first). tflite-runtime cannot run int4, so it never gets one.
+    then the larger ones (smallest first). tflite-runtime runs only weight-only int8 and fp32
+    (int4 fails to load, dynamic-range int8 computes zeros), so it gets exactly those.
     """
+    if backend == "tflite-runtime":
+        return LEGACY_ORDER
     if max_num_bytes < 2 * GiB:
         preferred: tuple[str, ...] = ("int4_block32", "int4_block64", "int4_block128")
     elif max_num_bytes <= 4 * GiB:
@@ -527,10 +532,7 @@ def quantization_preference(max_num_bytes: int, backend: str = "ai-edge-litert")
     first = FOOTPRINT_ORDER.index(preferred[0])
     smaller = tuple(reversed(FOOTPRINT_ORDER[:first]))
     larger = FOOTPRINT_ORDER[first + 1 :]
-    order = preferred + tuple(q for q in smaller + larger if q not in preferred)
-    if backend == "tflite-runtime":
-        order = tuple(q for q in order if q not in _INT4)
-    return order
+    return preferred + tuple(q for q in smaller + larger if q not in preferred)
 
 
 def choose_quantization(profile: DeviceProfile, available: Sequence[str]) -> str:

@@ -157,8 +157,8 @@ def test_shipped_numbers(shipped: dict[str, DeviceProfile]) -> None:
         ("Raspberry Pi 4 Model B Rev 1.4", {"raspberry-pi-4"}),
         ("Raspberry Pi 400 Rev 1.0", {"raspberry-pi-4"}),
         ("Raspberry Pi Compute Module 4 Rev 1.0", {"raspberry-pi-4"}),
-        ("Raspberry Pi Zero 2 W Rev 1.0", {"raspberry-pi-zero-2w"}),
-        ("Raspberry Pi 3 Model B Plus Rev 1.3", set()),
+        ("Raspberry Pi Zero 2 W Rev 1.0", {"raspberry-pi-zero-2w", "raspberry-pi-3-32bit"}),
+        ("Raspberry Pi 3 Model B Plus Rev 1.3", {"raspberry-pi-3-32bit"}),
         ("Raspberry Pi Zero W Rev 1.1", set()),
         ("Freescale i.MX8MQ Phanbell", {"coral-dev-board"}),
         ("Google i.MX8MQ Phanbell", {"coral-dev-board"}),
@@ -623,7 +623,14 @@ ALL = list(QUANTIZATIONS)
         (8 * GiB, "auto", "ai-edge-litert", ["int4_block32", "int8"], "int8"),
         (8 * GiB, "auto", "ai-edge-litert", ["fp32"], "fp32"),
         (1 * GiB, "int8", "ai-edge-litert", ["mixed", "int8"], "int8"),
-        (1 * GiB, "auto", "tflite-runtime", ["int4_block32", "int8"], "int8"),
+        (
+            1 * GiB,
+            "auto",
+            "tflite-runtime",
+            ["int4_block32", "int8", "int8_weight_only"],
+            "int8_weight_only",
+        ),
+        (1 * GiB, "auto", "tflite-runtime", ["int8", "fp32"], "fp32"),
     ],
 )
 def test_choose_quantization(
@@ -642,7 +649,8 @@ def test_choose_quantization_explicit_not_available() -> None:
 
 
 @pytest.mark.parametrize(
-    ("backend", "available"), [("ai-edge-litert", []), ("tflite-runtime", ["int4_block32"])]
+    ("backend", "available"),
+    [("ai-edge-litert", []), ("tflite-runtime", ["int4_block32", "int8", "mixed"])],
 )
 def test_choose_quantization_nothing_usable(backend: str, available: list[str]) -> None:
     with pytest.raises(ConfigError) as info:
@@ -657,6 +665,7 @@ def test_preference_order_is_documented_order() -> None:
         "int4_block128",
         "int8",
         "mixed",
+        "int8_weight_only",
         "fp32",
     )
     assert quantization_preference(3 * GiB) == (
@@ -665,6 +674,7 @@ def test_preference_order_is_documented_order() -> None:
         "int4_block64",
         "int4_block128",
         "mixed",
+        "int8_weight_only",
         "fp32",
     )
     assert quantization_preference(5 * GiB) == (
@@ -673,8 +683,10 @@ def test_preference_order_is_documented_order() -> None:
         "int4_block32",
         "int4_block64",
         "int4_block128",
+        "int8_weight_only",
         "fp32",
     )
+    assert quantization_preference(1 * GiB, "tflite-runtime") == ("int8_weight_only", "fp32")
 
 
 @settings(max_examples=80, deadline=None)
@@ -802,13 +814,13 @@ def test_nothing_fits_falls_back_to_generic_of_the_arch(tmp_path: Path) -> None:
     assert "RAM 512 MiB is outside >= 896 MiB" in found.reasons[0]
 
 
-def test_32bit_zero_2w_is_refused_with_a_way_out() -> None:
-    with pytest.raises(ProfileNotFound) as info:
-        detect(BOARDS / "raspberry-pi-zero-2w-32bit")
-    message = str(info.value)
-    assert "arch armv7l" in message
-    assert "raspberry-pi-zero-2w: architecture armv7l is not aarch64" in message
-    assert "tflite-runtime" in message
+def test_32bit_zero_2w_gets_the_legacy_backend_profile() -> None:
+    found = detect(BOARDS / "raspberry-pi-zero-2w-32bit")
+    assert found.profile.name == "raspberry-pi-3-32bit"
+    assert found.profile.runtime.backend == "tflite-runtime"
+    assert found.profile.runtime.require_fused is False
+    text = " ".join(found.reasons)
+    assert "armv7l" in text
 
 
 def test_priority_breaks_ties(shipped: dict[str, DeviceProfile]) -> None:

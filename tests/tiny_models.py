@@ -140,6 +140,7 @@ class TinyModelFactory:
         seed: int = 0,
         name: str = TINY_MODEL_NAME,
         version: str = "0.0.1",
+        enable_hlfb: bool = True,
     ) -> Path:
         """A model directory (``model_<quant>.tflite`` files, tokenizer, metadata.json).
 
@@ -160,6 +161,7 @@ class TinyModelFactory:
                     seed,
                     name,
                     version,
+                    *(() if enable_hlfb else ("unfused",)),
                 )
             ).encode()
         ).hexdigest()[:10]
@@ -175,6 +177,7 @@ class TinyModelFactory:
                 mask_as_input=mask_as_input,
                 quantization=q,
                 seed=seed,
+                enable_hlfb=enable_hlfb,
             )
             files.append((f"model_{q}.tflite", q, src))
         tok = self.tokenizer()

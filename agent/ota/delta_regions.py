@@ -13,7 +13,7 @@ import logging
 import mmap
 from dataclasses import dataclass
 
-from ai_edge_litert import schema_py_generated as schema
+from agent.runtime.schema import schema
 
 log = logging.getLogger(__name__)
 

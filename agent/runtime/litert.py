@@ -374,8 +374,12 @@ class _InterpreterRunner(_RunnerBase[_HostKV]):
         accelerator: str,
         threads: int,
         delegate: tuple[str, dict[str, str]] | None,
+        backend: str = "ai-edge-litert",
     ) -> None:
-        from ai_edge_litert.interpreter import Interpreter, OpResolverType, load_delegate
+        if backend == LEGACY_BACKEND:
+            from tflite_runtime.interpreter import Interpreter, OpResolverType, load_delegate
+        else:
+            from ai_edge_litert.interpreter import Interpreter, OpResolverType, load_delegate
 
         self.layout = layout
         delegates = []
@@ -529,6 +533,9 @@ def load(
             "but the model has no fused STABLEHLO_COMPOSITE ops; export it with composites on "
             "(enable_hlfb) or set require_fused = false"
         )
+    if profile.runtime.backend == LEGACY_BACKEND:
+        check_legacy_compatible(model, path)
+        prefer_interpreter = True  # tflite-runtime has no CompiledModel
     plan = plan_memory(model, layout, profile)
     check_budget(plan, profile, path)
     threads = profile.runtime.num_threads
@@ -555,6 +562,39 @@ def load(
     raise AcceleratorError(
         f"no accelerator of profile {profile.name} could run {path.name}: " + "; ".join(fallbacks)
     )
+
+
+LEGACY_BACKEND: Final = "tflite-runtime"
+# ops that take int8 weights directly in a dynamic-range graph (weight-only graphs feed them
+# float weights from DEQUANTIZE)
+_HYBRID_OPS: Final = frozenset(
+    {"FULLY_CONNECTED", "EMBEDDING_LOOKUP", "BATCH_MATMUL", "CONV_2D", "DEPTHWISE_CONV_2D"}
+)
+
+
+def check_legacy_compatible(model: ModelFile, path: Path) -> None:
+    """tflite-runtime 2.14 cannot run fused (STABLEHLO_COMPOSITE) graphs or int4 weights, and
+    its dynamic-range int8 kernels (quantized weights fed straight into FULLY_CONNECTED or
+    EMBEDDING_LOOKUP) compute zeros (measured: docs/PROFILES.md). Refuse such a model before
+    the interpreter sees it, saying what to export instead; weight-only int8 (weights
+    dequantized at load) runs correctly."""
+    problems = []
+    if model.fused:
+        problems.append("it has fused STABLEHLO_COMPOSITE ops")
+    kinds = [(op, kind) for op, kind, _n, _b in model.weights]
+    if any("int4" in kind for _op, kind in kinds):
+        problems.append("it has int4 weights")
+    hybrid = sorted({op for op, kind in kinds if kind.startswith("int8") and op in _HYBRID_OPS})
+    if hybrid:
+        problems.append(f"it has dynamic-range int8 weights in {', '.join(hybrid)}")
+    if problems:
+        raise ModelFormatError(
+            f"{path.name}: backend tflite-runtime cannot run this model: "
+            + "; ".join(problems)
+            + ". Export a variant with composites off and weight-only int8 "
+            "(scripts/build_model.py --no-composites --quant int8_weight_only), or use "
+            "ai-edge-litert"
+        )
 
 
 # XNNPACK's in-memory weight cache (a memfd). Without any weight cache XNNPACK packs the weights
@@ -603,13 +643,17 @@ def _open(
             raise AcceleratorError("no [npu] section in the profile")
         if not os.path.exists(npu.library):
             raise AcceleratorError(f"{npu.library} does not exist")
+        backend = profile.runtime.backend
         if npu.kind == "external_delegate":
             opts = npu.options_as_strings()
             return _InterpreterRunner(
-                path, layout, "npu", threads, (npu.library, opts)
+                path, layout, "npu", threads, (npu.library, opts), backend
             ), "interpreter"
+        if backend == LEGACY_BACKEND:
+            raise AcceleratorError("a dispatch-library NPU needs ai-edge-litert's CompiledModel")
         return _CompiledRunner(path, layout, "npu", threads, None, npu.library), "compiled"
     cache = weight_cache_path(profile, cache_key) if acc == "xnnpack" else None
     if prefer_interpreter:
-        return _InterpreterRunner(path, layout, acc, threads, None), "interpreter"
+        runner = _InterpreterRunner(path, layout, acc, threads, None, profile.runtime.backend)
+        return runner, "interpreter"
     return _CompiledRunner(path, layout, acc, threads, cache, None), "compiled"

@@ -12,9 +12,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from ai_edge_litert import schema_py_generated as schema
-
 from agent.errors import ModelFormatError
+from agent.runtime.schema import schema
 
 _TYPE_NAMES: dict[int, str] = {
     v: k.lower() for k, v in vars(schema.TensorType).items() if isinstance(v, int)
@@ -111,7 +110,8 @@ def _weight_kind(tensor: schema.Tensor) -> str:
     q = tensor.Quantization()
     if q is None or dtype.startswith("float"):
         return dtype
-    if q.DetailsType() == schema.QuantizationDetails.BlockwiseQuantization:
+    blockwise = getattr(schema.QuantizationDetails, "BlockwiseQuantization", None)
+    if blockwise is not None and q.DetailsType() == blockwise:
         table = q.Details()
         block = schema.BlockwiseQuantization()
         block.Init(table.Bytes, table.Pos)

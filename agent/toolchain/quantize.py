@@ -14,6 +14,9 @@ Quantization names (as in `agent.modeldir.QUANTIZATIONS`):
   blockwise along the input dimension (the input dims must be divisible by the block).
 * ``mixed``: int8 per channel everywhere except the token embedding and the attention
   output projections, which stay float32 (see `MIXED_FLOAT_RULES`).
+* ``int8_weight_only``: int8 weights per output channel, dequantized to float when the model
+  loads (``DEQUANTIZE`` ops, float compute): the int8 variant the legacy tflite-runtime
+  backend runs correctly (its dynamic-range per-channel FULLY_CONNECTED computes zeros).
 """
 
 from __future__ import annotations
@@ -23,9 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from agent import toolchain  # noqa: F401  (installs the tensorflow shim)
+from agent.modeldir import QUANTIZATIONS
 from agent.toolchain.config import DecoderSpec
-
-QUANTIZATIONS = ("fp32", "int8", "int4_block32", "int4_block64", "int4_block128", "mixed")
 
 #: Regexes (matched by ai-edge-quantizer against op output tensor names, last match wins) of the
 #: ops that the ``mixed`` recipe keeps float. litert-torch names tensors after the module path:
@@ -67,13 +69,18 @@ def ai_edge_recipe(quantization: str, spec: DecoderSpec | None = None) -> list[d
 
         check_block_divides(spec, quantization)
         mcfg = to_model_config(spec)
-    if quantization in ("int8", "mixed"):
+    if quantization in ("int8", "mixed", "int8_weight_only"):
         gran = quant_attrs.Granularity.CHANNELWISE
         dtype = quant_attrs.Dtype.INT8
     else:
         gran = getattr(quant_attrs.Granularity, f"BLOCKWISE_{block_size(quantization)}")
         dtype = quant_attrs.Dtype.INT4
-    qc = quant_recipes.full_dynamic_recipe(mcfg=mcfg, weight_dtype=dtype, granularity=gran)
+    recipe_of = (
+        quant_recipes.full_weight_only_recipe
+        if quantization == "int8_weight_only"
+        else quant_recipes.full_dynamic_recipe
+    )
+    qc = recipe_of(mcfg=mcfg, weight_dtype=dtype, granularity=gran)
     recipe = list(translate_recipe.translate_to_ai_edge_recipe(qc.generative_recipe))
     if quantization == "mixed":
         for regex in MIXED_FLOAT_RULES:
