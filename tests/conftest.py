@@ -12,6 +12,7 @@ import pytest
 
 from agent.profile import DeviceProfile, parse_profile, profiles_dir
 from tests.tiny_models import (  # noqa: F401  (pytest fixtures)
+    LEGACY,
     tiny_model,
     tiny_model_dir,
     tiny_model_factory,
@@ -34,7 +35,10 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 @pytest.fixture(scope="session")
 def dev_profile_data() -> dict[str, Any]:
     with open(profiles_dir() / "generic-x86_64.toml", "rb") as f:
-        return tomllib.load(f)
+        data = tomllib.load(f)
+    if LEGACY:  # the runtime and engine tests on the tflite-runtime backend (scripts/test)
+        data["runtime"]["backend"] = "tflite-runtime"
+    return data
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from agent.engine.generation import StopMatcher
 from agent.engine.sampler import SamplingParams
 from agent.engine.types import GenerateRequest
 from agent.errors import ContextOverflow, InvalidRequest, ModelFormatError, NotFound, SessionBusy
+from tests.tiny_models import LEGACY
 
 PROMPT = "def main():\n    return 1\n"
 
@@ -170,17 +171,19 @@ def test_tampered_model_file_is_refused(tiny_model_dir, tmp_path, dev_profile) -
 
     d = tmp_path / "model"
     shutil.copytree(tiny_model_dir, d)
-    f = d / "model_int8.tflite"
+    quant = "int8_weight_only" if LEGACY else "int8"
+    f = d / f"model_{quant}.tflite"
     data = bytearray(f.read_bytes())
     data[-1] ^= 0xFF
     f.write_bytes(bytes(data))
     with pytest.raises(ModelFormatError, match="sha256"):
-        Engine(dev_profile, d, quantization="int8")
+        Engine(dev_profile, d, quantization=quant)
 
 
 def test_profile_picks_int8_for_a_4gib_budget(tiny_model_dir, dev_profile) -> None:
     e = Engine(dev_profile, tiny_model_dir)
-    assert e.info.quantization == "int8"
+    # the legacy backend's int8 is the weight-only variant (docs/PROFILES.md)
+    assert e.info.quantization == ("int8_weight_only" if LEGACY else "int8")
     assert e.complete(req(max_tokens=3)).finish_reason in ("length", "stop")
 
 

@@ -77,14 +77,18 @@ class Observer:
                     raise AssertionError(f"not seen within {timeout} s; last topics: {topics}")
                 self._cv.wait(left)
 
-    def state(self, device: str, kind: int, timeout: float = 30.0, since: int = 0) -> State:
+    def state(
+        self, device: str, kind: int, timeout: float = 30.0, since: int = 0, after_session: int = 0
+    ) -> State:
+        """The first `kind` state of `device` (with a session above `after_session`: a
+        resubscribe also redelivers the old retained one)."""
         topic = Topics(PREFIX, device).state
-        seen = self.wait(
-            lambda s: s.topic == topic and State.FromString(s.payload).state == kind,
-            timeout,
-            since,
-        )
-        return State.FromString(seen.payload)
+
+        def match(s: Seen) -> bool:
+            st = State.FromString(s.payload) if s.topic == topic else None
+            return st is not None and st.state == kind and st.session > after_session
+
+        return State.FromString(self.wait(match, timeout, since).payload)
 
     def events(self, device: str) -> list[fpb.Event]:
         topic = Topics(PREFIX, device).event
@@ -193,8 +197,9 @@ def test_reconnect_after_a_broker_restart_and_events_survive_outage_and_restart(
         d.notify.wait_for("READY", "1", since=since)
         n = len(watch.seen)
         broker.start()
-        again = watch.state("dev-outage", State.ONLINE, timeout=60, since=n)
-        assert again.session > birth.session
+        again = watch.state(
+            "dev-outage", State.ONLINE, timeout=60, since=n, after_session=birth.session
+        )
         # health coalesced while offline: at most the latest snapshot from before the
         # reconnect went out, not one per heartbeat of the outage
         health = Topics(PREFIX, "dev-outage").health

@@ -60,6 +60,10 @@ def test_the_legacy_backend_refuses_what_it_cannot_run(tiny_model_factory, tmp_p
     )
     with pytest.raises(ModelFormatError, match=r"dynamic-range int8.*FULLY_CONNECTED"):
         litert.load(hybrid, profile)
+    # its prefill disagrees with its own decode on the default KV layout (measured)
+    default = tiny_model_factory(layout="default", prefill_lens=(8,), kv_max=64, enable_hlfb=False)
+    with pytest.raises(ModelFormatError, match=r"KV layout is 'default'"):
+        litert.load(default, profile)
 
 
 def _toml(path: Path) -> dict:  # type: ignore[type-arg]

@@ -22,6 +22,11 @@ conversion options is converted once per session. Set ``EDGE_AGENT_TINY_CACHE=<d
 the files across sessions (keyed by the options and a hash of the toolchain source).
 
 All fixtures skip the test when the toolchain extra (torch, litert-torch) is not installed.
+
+Legacy backend runs (``EDGE_AGENT_TEST_BACKEND=tflite-runtime``, in ``.venv-legacy``, which has
+no toolchain): every model is exported with composites off and int8 is weight-only (what
+tflite-runtime runs), int4 tests are skipped, and missing files are built by the toolchain's
+interpreter (``EDGE_AGENT_TOOLCHAIN_PYTHON``) into the same cache.
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+
+LEGACY = os.environ.get("EDGE_AGENT_TEST_BACKEND") == "tflite-runtime"
+TOOLCHAIN_PYTHON = os.environ.get("EDGE_AGENT_TOOLCHAIN_PYTHON", "")
+ROOT = Path(__file__).resolve().parent.parent
 
 TINY_VOCAB = 256
 TINY_MODEL_NAME = "tiny-test"
@@ -50,7 +59,39 @@ def _toolchain_fingerprint() -> str:
     return h.hexdigest()[:12]
 
 
+def _legacy_quant(quantization: str) -> str:
+    if quantization.startswith("int4"):
+        pytest.skip("tflite-runtime cannot run int4 models")
+    return "int8_weight_only" if quantization in ("int8", "mixed") else quantization
+
+
+def _build_elsewhere(root: Path, method: str, kwargs: dict[str, object]) -> Path:
+    """Build with the toolchain's interpreter (the legacy venv has no torch)."""
+    import json
+    import subprocess
+
+    code = (
+        "import json, sys; from pathlib import Path; from tests.tiny_models import "
+        "TinyModelFactory as F; f = F(Path(sys.argv[1])); "
+        "print(getattr(f, sys.argv[2])(**json.loads(sys.argv[3])))"
+    )
+    r = subprocess.run(
+        [TOOLCHAIN_PYTHON, "-c", code, str(root), method, json.dumps(kwargs)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if k != "EDGE_AGENT_TEST_BACKEND"},
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return Path(r.stdout.strip().splitlines()[-1])
+
+
 def _require_toolchain() -> None:
+    if LEGACY:
+        if not TOOLCHAIN_PYTHON:
+            pytest.skip("legacy runs build models with EDGE_AGENT_TOOLCHAIN_PYTHON")
+        return
     pytest.importorskip("torch", reason="needs the toolchain extra (torch)")
     pytest.importorskip("litert_torch", reason="needs the toolchain extra (litert-torch)")
     pytest.importorskip("sentencepiece")
@@ -77,6 +118,17 @@ class TinyModelFactory:
         seed: int = 0,
         enable_hlfb: bool = True,
     ) -> Path:
+        if LEGACY:
+            kwargs = {
+                "layout": layout,
+                "prefill_lens": list(prefill_lens),
+                "kv_max": kv_max,
+                "mask_as_input": mask_as_input,
+                "quantization": _legacy_quant(quantization),
+                "seed": seed,
+                "enable_hlfb": False,
+            }
+            return _build_elsewhere(self.root, "__call__", kwargs)
         from agent.toolchain.config import TINY_SPEC
         from agent.toolchain.export import ExportOptions, export_tiny
         from agent.toolchain.quantize import quantize_file
@@ -112,6 +164,8 @@ class TinyModelFactory:
 
     # -- tokenizer ------------------------------------------------------------------------
     def tokenizer(self) -> Path:
+        if LEGACY:
+            return _build_elsewhere(self.root, "tokenizer", {})
         from agent.toolchain import tokenizer as tk
 
         with self._lock:
@@ -147,6 +201,19 @@ class TinyModelFactory:
         A fresh directory per distinct argument set; treat it as read-only (copy it with
         `shutil.copytree` to modify it).
         """
+        if LEGACY:
+            kwargs = {
+                "quantizations": list(dict.fromkeys(_legacy_quant(q) for q in quantizations)),
+                "layout": layout,
+                "prefill_lens": list(prefill_lens),
+                "kv_max": kv_max,
+                "mask_as_input": mask_as_input,
+                "seed": seed,
+                "name": name,
+                "version": version,
+                "enable_hlfb": False,
+            }
+            return _build_elsewhere(self.root, "model_dir", kwargs)
         from agent.modeldir import write_model_dir_metadata
         from agent.toolchain.tokenizer import BOS_ID, EOS_ID
 

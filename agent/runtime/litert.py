@@ -534,7 +534,7 @@ def load(
             "(enable_hlfb) or set require_fused = false"
         )
     if profile.runtime.backend == LEGACY_BACKEND:
-        check_legacy_compatible(model, path)
+        check_legacy_compatible(model, path, layout)
         prefer_interpreter = True  # tflite-runtime has no CompiledModel
     plan = plan_memory(model, layout, profile)
     check_budget(plan, profile, path)
@@ -572,7 +572,7 @@ _HYBRID_OPS: Final = frozenset(
 )
 
 
-def check_legacy_compatible(model: ModelFile, path: Path) -> None:
+def check_legacy_compatible(model: ModelFile, path: Path, layout: ModelLayout) -> None:
     """tflite-runtime 2.14 cannot run fused (STABLEHLO_COMPOSITE) graphs or int4 weights, and
     its dynamic-range int8 kernels (quantized weights fed straight into FULLY_CONNECTED or
     EMBEDDING_LOOKUP) compute zeros (measured: docs/PROFILES.md). Refuse such a model before
@@ -581,6 +581,8 @@ def check_legacy_compatible(model: ModelFile, path: Path) -> None:
     problems = []
     if model.fused:
         problems.append("it has fused STABLEHLO_COMPOSITE ops")
+    if layout.kv.name != "transposed":  # its prefill disagrees with its decode there (measured)
+        problems.append(f"its KV layout is {layout.kv.name!r}, not 'transposed'")
     kinds = [(op, kind) for op, kind, _n, _b in model.weights]
     if any("int4" in kind for _op, kind in kinds):
         problems.append("it has int4 weights")
@@ -591,9 +593,9 @@ def check_legacy_compatible(model: ModelFile, path: Path) -> None:
         raise ModelFormatError(
             f"{path.name}: backend tflite-runtime cannot run this model: "
             + "; ".join(problems)
-            + ". Export a variant with composites off and weight-only int8 "
-            "(scripts/build_model.py --no-composites --quant int8_weight_only), or use "
-            "ai-edge-litert"
+            + ". Export a variant with composites off, the transposed KV layout and weight-only "
+            "int8 (scripts/build_model.py --no-composites --layout transposed --quant "
+            "int8_weight_only), or use ai-edge-litert"
         )
 
 
