@@ -29,11 +29,12 @@ def tier(engine: Engine, sid: str) -> str:
     return next(s.tier for s in engine.list_sessions() if s.id == sid)
 
 
-@pytest.fixture
-def tiered(make_profile, tmp_path):
+@pytest.fixture(params=["compiled", "interpreter"])
+def tiered(make_profile, tmp_path, request):
     """`tiered(caches=1, host=..., disk=...)`: an engine on the demo model whose budget holds
     exactly `caches` runtime KV caches beside the host tier and prefix cache budgets, with a
-    state directory for the disk tier."""
+    state directory for the disk tier; on each execution path (the Interpreter path keeps its
+    caches in host arrays, which a spill must copy, not view)."""
     engines: list[Engine] = []
     demo = demo_model_dir()
     base = make_profile()
@@ -51,6 +52,7 @@ def tiered(make_profile, tmp_path):
             profile,
             demo,
             quantization="int8",
+            prefer_interpreter=request.param == "interpreter",
             limits=EngineLimits(max_active=1, max_sessions=32),
             state_dir=state or tmp_path / "state",
         )

@@ -180,8 +180,11 @@ class _RunnerBase(Generic[_K]):
     def read_rows(self, kv: KVCache, rows: int) -> dict[str, npt.NDArray[Any]]:
         """A copy of the first `rows` cache rows of every KV tensor: what a spill keeps."""
         own = self._own(kv)
+        # Always a copy: `_full` of a host cache is the live array, and a slice of it can be
+        # contiguous already (one KV head), where ascontiguousarray would return a view that
+        # the next user of the cache overwrites.
         return {
-            name: np.ascontiguousarray(self._full(own, name)[self._seq_index(name, rows)])
+            name: np.array(self._full(own, name)[self._seq_index(name, rows)], order="C")
             for name in self.layout.kv.names()
         }
 
