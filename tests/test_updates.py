@@ -155,6 +155,16 @@ def bundle(models: Models, tmp: Path, **kw) -> Path:  # type: ignore[no-untyped-
     return out
 
 
+def over_http(models: Models, tmp: Path, version: int, **served_kw):  # type: ignore[no-untyped-def]
+    """A bundle whose manifest points at a real HTTP server on loopback serving its payload:
+    (the server's Served record, the server, the bundle path)."""
+    served = Served(tmp / "payload.bin", **served_kw)
+    http = PayloadServer(served)
+    path = bundle(models, tmp, payload_url=http.url, version=version)
+    read_bundle(path)[1].extract(served.path)
+    return served, http, path
+
+
 def statuses(watch: Observer, device: str) -> list[fpb.UpdateStatus]:
     topic = Topics(PREFIX, device).update_status
     with watch._cv:
@@ -183,10 +193,8 @@ def phases(watch: Observer, device: str) -> list[str]:
 
 
 def test_delta_over_http_commits_while_a_stream_keeps_working(models, trusted, broker, tmp_path):
-    served = Served(tmp_path / "payload.bin", cut_after=2000)  # the first GET breaks: resume
-    http = PayloadServer(served)
-    path = bundle(models, tmp_path, payload_url=http.url)
-    read_bundle(path)[1].extract(served.path)
+    # the first GET breaks after 2,000 bytes: the download must resume
+    served, http, path = over_http(models, tmp_path, 1, cut_after=2000)
     watch = Observer(broker, "ota-watch-http")
     d = start(tmp_path, models, broker, trusted, "dev-ota-http")
     failures: list[BaseException] = []
@@ -396,10 +404,7 @@ def test_replay_after_success_is_rejected(models, trusted, broker, tmp_path):
 
 
 def test_a_model_that_fails_its_canary_never_serves(models, trusted, broker, tmp_path):
-    served = Served(tmp_path / "payload.bin")
-    http = PayloadServer(served)
-    path = bundle(models, tmp_path, payload_url=http.url, version=6)
-    read_bundle(path)[1].extract(served.path)
+    _served, http, path = over_http(models, tmp_path, 6)
     watch = Observer(broker, "ota-canary")
     d = start(tmp_path, models, broker, trusted, "dev-canary")
 
@@ -422,10 +427,7 @@ def test_a_model_that_fails_its_canary_never_serves(models, trusted, broker, tmp
 
 
 def test_a_failing_health_check_in_the_trial_rolls_back(models, trusted, broker, tmp_path):
-    served = Served(tmp_path / "payload.bin")
-    http = PayloadServer(served)
-    path = bundle(models, tmp_path, payload_url=http.url, version=9)
-    read_bundle(path)[1].extract(served.path)
+    _served, http, path = over_http(models, tmp_path, 9)
     watch = Observer(broker, "ota-trial-health")
     d = start(tmp_path, models, broker, trusted, "dev-trial", trial_s=30.0)
     d.config.write_text(d.config.read_text() + "[watchdog]\nengine_stall_s = 1\n")
@@ -457,12 +459,9 @@ CRASH_STATES = ["received", "downloading", "verified", "mid-staging", "staged", 
 
 @pytest.mark.parametrize("state", CRASH_STATES)
 def test_sigkill_in_each_state_serves_old_or_new_whole(state, models, trusted, broker, tmp_path):
-    served = Served(tmp_path / "payload.bin")
-    http = PayloadServer(served)
+    _served, http, path = over_http(models, tmp_path, 2)
     watch = Observer(broker, f"ota-crash-{state}")
     device = f"dev-crash-{state}"
-    path = bundle(models, tmp_path, payload_url=http.url, version=2)
-    read_bundle(path)[1].extract(served.path)
     d = start(tmp_path, models, broker, trusted, device, EDGE_AGENT_OTA_CRASH_AT=state)
     try:
         # the answer may not make it out before the agent kills itself
@@ -485,10 +484,8 @@ def test_sigkill_in_each_state_serves_old_or_new_whole(state, models, trusted, b
 
 
 def test_a_download_resumes_after_a_crash_in_the_middle(big_models, trusted, broker, tmp_path):
-    served = Served(tmp_path / "payload.bin")
-    http = PayloadServer(served)
-    path = bundle(big_models, tmp_path, payload_url=http.url, version=2)
-    size = read_bundle(path)[1].extract(served.path).stat().st_size
+    served, http, path = over_http(big_models, tmp_path, 2)
+    size = served.path.stat().st_size
     assert size > CHUNK, size  # more than one read: the crash comes after the first
     watch = Observer(broker, "ota-mid-download")
     device = "dev-mid-download"
@@ -514,11 +511,8 @@ def test_a_download_resumes_after_a_crash_in_the_middle(big_models, trusted, bro
 
 
 def test_a_crash_looping_trial_rolls_back(models, trusted, broker, tmp_path):
-    served = Served(tmp_path / "payload.bin")
-    http = PayloadServer(served)
+    _served, http, path = over_http(models, tmp_path, 2)
     watch = Observer(broker, "ota-crash-loop")
-    path = bundle(models, tmp_path, payload_url=http.url, version=2)
-    read_bundle(path)[1].extract(served.path)
     crash = {"EDGE_AGENT_OTA_CRASH_AT": "trial", "trial_s": 30.0}
     d = start(tmp_path, models, broker, trusted, "dev-loop", **crash)
     try:
