@@ -63,6 +63,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     conv.add_argument("--prefill", type=int, action="append", help="prefill length (repeatable)")
     conv.add_argument("--kv-max", type=int, default=1024)
     conv.add_argument("--mask-as-input", action="store_true")
+    conv.add_argument(
+        "--window",
+        type=int,
+        action="append",
+        help="an extra, shorter KV length with its own decode/prefill signatures (repeatable)",
+    )
     conv.add_argument("--no-composites", action="store_true", help="enable_hlfb=False")
     conv.add_argument(
         "--quant", action="append", choices=QUANTIZATIONS, help="quantization (repeatable)"
@@ -75,6 +81,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         help="SentencePiece model (default: a tiny one "
         "is trained when the vocabulary has <= 256 entries)",
+    )
+    out.add_argument(
+        "--pad-tokenizer",
+        action="store_true",
+        help="pad --tokenizer with placeholder pieces up to the model's vocabulary",
     )
     out.add_argument("--name", default="edge-model")
     out.add_argument("--version", default="0.0.0")
@@ -119,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_max=args.kv_max,
         mask_as_input=args.mask_as_input,
         enable_hlfb=not args.no_composites,
+        decode_windows=tuple(args.window or ()),
     )
     quants = list(dict.fromkeys(args.quant or ["int8"]))
     print(f"[build_model] {spec.param_count():,} parameters, {spec.to_dict()}", flush=True)
@@ -134,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         keep_fp32=args.keep_fp32,
     )
     tok_dst = args.out / "tokenizer.model"
-    if args.tokenizer:
+    if args.tokenizer and args.pad_tokenizer:
+        tk.pad_tokenizer(args.tokenizer, spec.vocab_size, tok_dst)
+    elif args.tokenizer:
         shutil.copyfile(args.tokenizer, tok_dst)
     elif spec.vocab_size <= 256:
         tk.train_tokenizer(

@@ -133,16 +133,22 @@ def test_plan_prefill_never_runs_past_the_cache(tiny_model_factory) -> None:
     layout = discover_layout(read_model_file(path))
     for start in range(0, 64):
         for n in range(1, 64 - start + 1):
-            calls = litert.plan_prefill(layout, n, start)
+            calls = litert.plan_prefill(layout.full, n, start)
             assert sum(c.count for c in calls) == n
             assert [c.offset for c in calls] == list(np.cumsum([0] + [c.count for c in calls[:-1]]))
             for c in calls:
                 assert start + c.offset + c.signature.length <= 64
-    # the smallest signature that holds the rest is used
-    assert [c.signature.length for c in litert.plan_prefill(layout, 5, 0)] == [8]
-    assert [c.signature.length for c in litert.plan_prefill(layout, 20, 0)] == [16, 8]
+    # the cheapest plan: a call costs its padded length plus CALL_COST_TOKENS (8)
+    def plan(n: int, start: int = 0) -> list[int]:
+        return [c.signature.length for c in litert.plan_prefill(layout.full, n, start)]
+
+    assert plan(5) == [8]  # one padded call, not five decode calls
+    assert plan(20) == [16, 8]
+    assert plan(17) == [16, 1]  # the last token through decode, not a padded 8
+    assert plan(1) == [1] and plan(2) == [8]
+    assert plan(30) == [16, 16]
     # near the end only decode fits
-    assert [c.signature.key for c in litert.plan_prefill(layout, 3, 61)] == ["decode"] * 3
+    assert [c.signature.key for c in litert.plan_prefill(layout.full, 3, 61)] == ["decode"] * 3
 
 
 def test_memory_budget_refusal_names_the_numbers(tiny_model_factory, make_profile) -> None:

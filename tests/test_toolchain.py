@@ -208,6 +208,24 @@ def test_code_tokenizer_keeps_indentation(tmp_path: Path) -> None:
     assert (sp.pad_id(), sp.bos_id(), sp.eos_id(), sp.unk_id()) == (0, 1, 2, 3)
 
 
+def test_a_padded_tokenizer_reaches_the_model_vocabulary(tmp_path: Path) -> None:
+    """A random model of a real LLM's shape has a larger vocabulary than our tokenizer; the
+    padded copy encodes as before and decodes every id (LiteRT-LM samples over all of them)."""
+    from agent.toolchain import tokenizer as tk
+
+    src = tk.train_tokenizer(
+        [tk.TINY_TEXT * 3], tmp_path / "t.model", vocab_size=256, byte_fallback=False, tiny=True
+    )
+    small = tk.load(src)
+    padded = tk.load(tk.pad_tokenizer(src, 300, tmp_path / "p.model"))
+    assert (small.vocab_size(), padded.vocab_size()) == (small.vocab_size(), 300)
+    text = "def f(x):\n    return x + 1\n"
+    assert padded.encode(text) == small.encode(text)
+    assert padded.decode([299]) == "<unused_299>"
+    with pytest.raises(ValueError, match="more than the vocabulary"):
+        tk.pad_tokenizer(src, 100, tmp_path / "q.model")
+
+
 def test_metadata_round_trips(tiny_model_factory: TinyModelFactory) -> None:
     d = tiny_model_factory.model_dir(quantizations=("fp32", "int8"), prefill_lens=(8,), kv_max=64)
     meta = load_model_dir(d)

@@ -117,6 +117,7 @@ class TinyModelFactory:
         quantization: str = "fp32",
         seed: int = 0,
         enable_hlfb: bool = True,
+        decode_windows: Sequence[int] = (),
     ) -> Path:
         if LEGACY:
             kwargs = {
@@ -127,6 +128,7 @@ class TinyModelFactory:
                 "quantization": _legacy_quant(quantization),
                 "seed": seed,
                 "enable_hlfb": False,
+                "decode_windows": list(decode_windows),
             }
             return _build_elsewhere(self.root, "__call__", kwargs)
         from agent.toolchain.config import TINY_SPEC
@@ -139,6 +141,7 @@ class TinyModelFactory:
             kv_max=kv_max,
             mask_as_input=mask_as_input,
             enable_hlfb=enable_hlfb,
+            decode_windows=tuple(decode_windows),
         )
         stem = f"tiny_{opts.tag()}_s{seed}"
         target = self.root / f"{stem}_{quantization}.tflite"
@@ -156,6 +159,7 @@ class TinyModelFactory:
                     quantization="fp32",
                     seed=seed,
                     enable_hlfb=enable_hlfb,
+                    decode_windows=opts.decode_windows,
                 )
                 assert made == fp32, (made, fp32)
             if quantization != "fp32":
@@ -195,6 +199,7 @@ class TinyModelFactory:
         name: str = TINY_MODEL_NAME,
         version: str = "0.0.1",
         enable_hlfb: bool = True,
+        decode_windows: Sequence[int] = (),
     ) -> Path:
         """A model directory (``model_<quant>.tflite`` files, tokenizer, metadata.json).
 
@@ -212,6 +217,7 @@ class TinyModelFactory:
                 "name": name,
                 "version": version,
                 "enable_hlfb": False,
+                "decode_windows": list(decode_windows),
             }
             return _build_elsewhere(self.root, "model_dir", kwargs)
         from agent.modeldir import write_model_dir_metadata
@@ -229,6 +235,7 @@ class TinyModelFactory:
                     name,
                     version,
                     *(() if enable_hlfb else ("unfused",)),
+                    *((tuple(decode_windows),) if decode_windows else ()),
                 )
             ).encode()
         ).hexdigest()[:10]
@@ -245,6 +252,7 @@ class TinyModelFactory:
                 quantization=q,
                 seed=seed,
                 enable_hlfb=enable_hlfb,
+                decode_windows=decode_windows,
             )
             files.append((f"model_{q}.tflite", q, src))
         tok = self.tokenizer()

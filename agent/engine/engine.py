@@ -179,6 +179,7 @@ class Engine:
         prefer_interpreter: bool = False,
         limits: EngineLimits | None = None,
         state_dir: Path | None = None,
+        kv_windows: bool = True,
     ) -> None:
         self.profile = profile
         self.limits = limits or EngineLimits()
@@ -200,6 +201,7 @@ class Engine:
             context_length=self.meta.context_length,
             prefer_interpreter=prefer_interpreter,
             cache_key=variant.sha256,
+            kv_windows=kv_windows,
         )
         runner = self.loaded.runner
         layout = runner.layout
@@ -235,7 +237,7 @@ class Engine:
             vocab_size=layout.vocab_size,
             context_length=layout.context_length,
             kv_layout=layout.kv.name,
-            signatures=tuple(s.key for s in (*layout.prefill, layout.decode)),
+            signatures=tuple(s.key for w in layout.all_windows() for s in w.signatures),
             accelerator=self.loaded.accelerator,
             execution_path=self.loaded.path_kind,
             fallbacks=self.loaded.fallbacks,

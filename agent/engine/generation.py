@@ -116,6 +116,9 @@ class Generation:
         if self._deadline is not None and time.monotonic() > self._deadline:
             return [self._finish("cancelled", error="deadline exceeded")]
         if self.prefilling:
+            if self._prefilled == 0:
+                # the whole prompt and the first generated row, in the smallest KV window
+                self._runner.reserve(self._kv, self._pos + len(self._prompt), self._pos)
             n = min(self._chunk, len(self._prompt) - 1 - self._prefilled)
             chunk = self._prompt[self._prefilled : self._prefilled + n]
             self._runner.prefill(self._kv, chunk, self._pos)

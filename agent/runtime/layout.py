@@ -8,6 +8,10 @@ that come back updated as outputs of the same name; ``decode`` also outputs ``lo
 
 KV layouts: *default* K and V are [1, kv_max, kv_heads, head_dim]; *transposed* K is
 [1, kv_heads, kv_max, head_dim] and V is [1, kv_heads, head_dim, kv_max].
+
+KV windows (optional): ``kv<L>_decode`` and ``kv<L>_prefill_<N>`` are the same model over a
+shorter KV length L (see `agent.toolchain.export`). Each window, and the full length, is a
+`Window`: its own signatures and KV shapes.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from agent.errors import ModelFormatError
 from agent.runtime.modelfile import ModelFile, SignatureIO, TensorInfo
 
 _PREFILL = re.compile(r"^prefill(?:_(\d+))?$")
+_WINDOW = re.compile(r"^kv(\d+)_(decode|prefill(?:_\d+)?)$")
 _KV = re.compile(r"^kv_cache_([kv])_(\d+)$")
 
 
@@ -70,15 +75,48 @@ class Signature:
 
 
 @dataclass(frozen=True, slots=True)
+class Window:
+    """Signatures that run over one KV length: the full one or a shorter KV window."""
+
+    decode: Signature
+    prefill: tuple[Signature, ...]  # sorted by length; may be empty for a window
+    kv: KVLayout
+
+    @property
+    def length(self) -> int:
+        return self.kv.context_length
+
+    @property
+    def signatures(self) -> tuple[Signature, ...]:
+        return (*self.prefill, self.decode)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelLayout:
     decode: Signature
     prefill: tuple[Signature, ...]  # sorted by length
     kv: KVLayout
     vocab_size: int
+    windows: tuple[Window, ...] = ()  # shorter KV windows, by length
 
     @property
     def context_length(self) -> int:
         return self.kv.context_length
+
+    @property
+    def full(self) -> Window:
+        return Window(self.decode, self.prefill, self.kv)
+
+    def all_windows(self) -> tuple[Window, ...]:
+        """The KV windows by length, the full length last."""
+        return (*self.windows, self.full)
+
+    def window_for(self, rows: int) -> int:
+        """Index into `all_windows` of the smallest window holding `rows` cache rows."""
+        for i, w in enumerate(self.windows):
+            if rows <= w.length:
+                return i
+        return len(self.windows)
 
 
 def _fail(what: str, found: str) -> ModelFormatError:
@@ -189,4 +227,39 @@ def discover_layout(model: ModelFile, context_length: int | None = None) -> Mode
     if not prefill:
         raise _fail("at least one 'prefill_<N>' signature", f"signatures {found}")
     prefill.sort(key=lambda s: s.length)
-    return ModelLayout(decode=decode, prefill=tuple(prefill), kv=kv, vocab_size=logits.shape[-1])
+    vocab = logits.shape[-1]
+    return ModelLayout(decode, tuple(prefill), kv, vocab, _windows(by_key, kv, vocab))
+
+
+def _windows(by_key: dict[str, SignatureIO], full: KVLayout, vocab: int) -> tuple[Window, ...]:
+    """The ``kv<L>_*`` signature sets, checked against the full-length ones."""
+    groups: dict[int, dict[str, SignatureIO]] = {}
+    for key, sig in by_key.items():
+        m = _WINDOW.match(key)
+        if m:
+            groups.setdefault(int(m.group(1)), {})[m.group(2)] = sig
+    windows = []
+    for length, sigs in sorted(groups.items()):
+        where = f"KV window kv{length}"
+        if not 1 < length < full.context_length:
+            raise _fail(f"{where}: shorter than the full KV ({full.context_length})", f"{length}")
+        if "decode" not in sigs:
+            raise _fail(f"{where}: a kv{length}_decode signature", f"{sorted(sigs)}")
+        decode = _signature(sigs["decode"], 1)
+        logits = sigs["decode"].output("logits")
+        if logits is None or not logits.shape or logits.shape[-1] != vocab:
+            raise _fail(f"{where}: decode logits over the vocabulary ({vocab})", f"{logits}")
+        kv = _kv_layout(sigs["decode"], length)
+        same = (kv.name, kv.num_layers, kv.dtype) == (full.name, full.num_layers, full.dtype)
+        if not same or kv.context_length != length:
+            raise _fail(f"{where}: the full KV layout over {length} rows", f"K {kv.k_shape}")
+        prefill = []
+        for name, sig in sigs.items():
+            m = _PREFILL.match(name)
+            if m:
+                p = _signature(sig, int(m.group(1)) if m.group(1) else None)
+                if _kv_layout(sig, length) != kv:
+                    raise _fail(f"{where}: {name} with the window's KV layout", "a different one")
+                prefill.append(p)
+        windows.append(Window(decode, tuple(sorted(prefill, key=lambda s: s.length)), kv))
+    return tuple(windows)

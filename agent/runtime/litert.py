@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, Generic, Protocol, TypeVar
 
@@ -28,7 +28,7 @@ import numpy.typing as npt
 
 from agent.errors import AcceleratorError, BudgetError, ModelFormatError, RuntimeFailure
 from agent.profile import DeviceProfile
-from agent.runtime.layout import ModelLayout, Signature, discover_layout
+from agent.runtime.layout import ModelLayout, Signature, Window, discover_layout
 from agent.runtime.modelfile import ModelFile, read_model_file
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ class Runner(Protocol):
     accelerator: str
 
     def new_kv(self) -> KVCache: ...
+    def reserve(self, kv: KVCache, rows: int, keep: int) -> None: ...
     def read_rows(self, kv: KVCache, rows: int) -> dict[str, npt.NDArray[Any]]: ...
     def write_rows(self, kv: KVCache, arrays: Mapping[str, npt.NDArray[Any]]) -> None: ...
     def prefill(self, kv: KVCache, tokens: Sequence[int], start: int) -> None: ...
@@ -105,30 +106,45 @@ class Call:
     count: int
 
 
-def plan_prefill(layout: ModelLayout, n: int, start: int) -> list[Call]:
-    """Split `n` tokens starting at position `start` into signature calls.
+# What one signature call costs beyond its tokens, in tokens: a call reads every weight once
+# whatever its length (decode is bandwidth-bound), then each position costs about the same.
+# SmolLM-135M shape, int8, 2 threads here: decode ~20 ms, prefill_512 ~1.2 s, so a call's fixed
+# part is ~8 positions' worth. Padded positions cost like real ones.
+CALL_COST_TOKENS: Final = 8
 
-    Each call uses the smallest prefill signature that holds the rest, or the largest one when
-    none does. A padded call must not run past the end of the cache (the model's
-    DYNAMIC_UPDATE_SLICE would clamp and overwrite valid rows), so near the end smaller
-    signatures are used, and finally the decode signature one token at a time.
+
+def plan_prefill(window: Window, n: int, start: int) -> list[Call]:
+    """Split `n` tokens starting at position `start` into the cheapest signature calls of one
+    KV window.
+
+    A call of a signature of length L costs ``CALL_COST_TOKENS + L`` (padding included), so 63
+    tokens go through two 32-token calls rather than one padded 128-token call, and a few last
+    tokens through decode. A padded call must not run past the end of the cache (the model's
+    DYNAMIC_UPDATE_SLICE would clamp and overwrite valid rows), so near the end only shorter
+    signatures, and finally decode, qualify. Ties go to the longer signature first.
     """
+    ctx = window.length
+    candidates = sorted((*window.prefill, window.decode), key=lambda s: -s.length)
+    # best[r]: (cost, signature of the first call) to prefill the last r of the n tokens
+    none: tuple[float, Signature | None] = (float("inf"), None)
+    best = [(0.0, none[1])] + [none] * n
+    for r in range(1, n + 1):
+        pos = start + n - r
+        for sig in candidates:
+            if pos + sig.length > ctx:
+                continue
+            cost = CALL_COST_TOKENS + sig.length + best[r - min(r, sig.length)][0]
+            if cost < best[r][0]:
+                best[r] = (cost, sig)
     calls: list[Call] = []
-    ctx = layout.context_length
-    done = 0
-    while done < n:
-        rest, pos = n - done, start + done
-        fitting = [s for s in layout.prefill if pos + s.length <= ctx]
-        holding = [s for s in fitting if s.length >= rest]
-        if holding:
-            sig = holding[0]
-        elif fitting:
-            sig = fitting[-1]
-        else:
-            sig = layout.decode
-        count = min(rest, sig.length)
-        calls.append(Call(sig, done, count))
-        done += count
+    r = n
+    while r > 0:
+        first = best[r][1]
+        if first is None:
+            raise RuntimeFailure(f"no signature fits {r} tokens at position {start + n - r}")
+        count = min(r, first.length)
+        calls.append(Call(first, n - r, count))
+        r -= count
     return calls
 
 
@@ -141,7 +157,9 @@ def _mask(rows: int, first_pos: int, ctx: int, shape: tuple[int, ...]) -> npt.ND
 
 
 class _RunnerBase(Generic[_K]):
-    """Prefill plans and decode on top of one `_run(signature, kv, tokens, pos)` per path."""
+    """Prefill plans, decode and KV rows on top of one `_run(signature, kv, tokens, pos)` per
+    path. A cache runs in one KV window at a time (`_window`); a path with windows moves it to
+    another in `_switch`."""
 
     layout: ModelLayout
     accelerator: str
@@ -150,7 +168,8 @@ class _RunnerBase(Generic[_K]):
     def _run(self, sig: Signature, kv: _K, tokens: Sequence[int], pos: int) -> None:
         raise NotImplementedError
 
-    def _logits(self) -> Logits:
+    def _logits(self, sig: Signature) -> Logits:
+        """The logits output of decode signature `sig` after its run."""
         raise NotImplementedError
 
     def _own(self, kv: KVCache) -> _K:
@@ -158,6 +177,14 @@ class _RunnerBase(Generic[_K]):
         if not isinstance(kv, self._kv_type):
             raise TypeError(f"KV cache {type(kv).__name__} does not belong to this runner")
         return kv
+
+    def _window(self, kv: _K) -> Window:
+        """The KV window a cache is in now."""
+        return self.layout.full
+
+    def _switch(self, kv: _K, window: int, keep: int) -> None:
+        """Move a cache to window `window` (index into `all_windows`), keeping `keep` rows."""
+        raise NotImplementedError
 
     def _full(self, kv: _K, name: str) -> npt.NDArray[Any]:
         """One KV tensor of a cache as a host array (a copy or a view)."""
@@ -177,6 +204,22 @@ class _RunnerBase(Generic[_K]):
         index[self._seq_axis(name)] = slice(0, rows)
         return tuple(index)
 
+    def reserve(self, kv: KVCache, rows: int, keep: int) -> None:
+        """Put a cache in the smallest KV window that holds `rows` rows, keeping its first
+        `keep` rows (copied when it moves). Without windows there is nothing to do."""
+        self._reserve(self._own(kv), rows, keep)
+
+    def _reserve(self, own: _K, rows: int, keep: int) -> None:
+        if self.layout.windows:
+            target = self.layout.window_for(rows)
+            if self.layout.all_windows()[target].length != self._window(own).length:
+                self._switch(own, target, min(keep, rows))
+
+    def _grow(self, own: _K, rows: int, keep: int) -> None:
+        """`reserve`, but only ever up: a running request outgrowing its window."""
+        if rows > self._window(own).length:
+            self._reserve(own, rows, keep)
+
     def read_rows(self, kv: KVCache, rows: int) -> dict[str, npt.NDArray[Any]]:
         """A copy of the first `rows` cache rows of every KV tensor: what a spill keeps."""
         own = self._own(kv)
@@ -192,9 +235,14 @@ class _RunnerBase(Generic[_K]):
         """Put rows saved by `read_rows` back at the start of a cache; later rows are zeroed
         (the causal mask hides them either way)."""
         own = self._own(kv)
-        layout = self.layout.kv
-        if set(arrays) != set(layout.names()):
+        if set(arrays) != set(self.layout.kv.names()):
             raise ModelFormatError("saved KV rows do not match this model's KV tensors")
+        some = next(iter(arrays))
+        self._reserve(own, arrays[some].shape[self._seq_axis(some)], 0)  # rows from `arrays`
+        self._put_rows(own, arrays)
+
+    def _put_rows(self, own: _K, arrays: Mapping[str, npt.NDArray[Any]]) -> None:
+        layout = self._window(own).kv
         for name, rows in arrays.items():
             shape = layout.k_shape if "_k_" in name else layout.v_shape
             full = np.zeros(shape, dtype=np.float32)
@@ -207,13 +255,17 @@ class _RunnerBase(Generic[_K]):
 
     def prefill(self, kv: KVCache, tokens: Sequence[int], start: int) -> None:
         own = self._own(kv)
-        for call in plan_prefill(self.layout, len(tokens), start):
+        self._grow(own, start + len(tokens), start)
+        for call in plan_prefill(self._window(own), len(tokens), start):
             chunk = tokens[call.offset : call.offset + call.count]
             self._run(call.signature, own, chunk, start + call.offset)
 
     def decode(self, kv: KVCache, token: int, pos: int) -> Logits:
-        self._run(self.layout.decode, self._own(kv), [token], pos)
-        return self._logits()
+        own = self._own(kv)
+        self._grow(own, pos + 1, pos)
+        sig = self._window(own).decode
+        self._run(sig, own, [token], pos)
+        return self._logits(sig)
 
 
 # ----------------------------------------------------------------------------- CompiledModel
@@ -223,6 +275,7 @@ class _RunnerBase(Generic[_K]):
 class _BoundKV:
     buffers: dict[str, Any]
     nbytes: int
+    window: Window
     # per signature: the (inputs, outputs) capsule maps binding these buffers, built once
     maps: dict[str, tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=dict)
 
@@ -273,7 +326,7 @@ class _CompiledRunner(_RunnerBase[_BoundKV]):
         self.accelerator = accelerator
         if accelerator == "npu" and not self._model.is_fully_accelerated():
             self.accelerator = "npu+cpu"
-        self._io = {s.key: self._make_io(s) for s in (layout.decode, *layout.prefill)}
+        self._io = {s.key: self._make_io(s) for w in layout.all_windows() for s in w.signatures}
 
     def _make_io(self, sig: Signature) -> _SigIO:
         m = self._model
@@ -292,19 +345,36 @@ class _CompiledRunner(_RunnerBase[_BoundKV]):
             pos_base=np.arange(sig.length, dtype=np.int32),
         )
 
-    def new_kv(self) -> _BoundKV:
-        kv = self.layout.kv
+    def _buffers(self, window: Window) -> dict[str, Any]:
         buffers = {}
-        for name in kv.names():
-            buf = self._model.create_input_buffer_by_name("decode", name)
-            shape = kv.k_shape if "_k_" in name else kv.v_shape
+        for name in window.kv.names():
+            buf = self._model.create_input_buffer_by_name(window.decode.key, name)
+            shape = window.kv.k_shape if "_k_" in name else window.kv.v_shape
             # Fresh buffers are not zeroed: a NaN in a masked row would still poison attention.
             buf.write(np.zeros(shape, dtype=np.float32))
             buffers[name] = buf
-        return _BoundKV(buffers, kv.bytes_per_session)
+        return buffers
+
+    def new_kv(self) -> _BoundKV:
+        window = self.layout.all_windows()[0]
+        return _BoundKV(self._buffers(window), window.kv.bytes_per_session, window)
+
+    def _window(self, kv: _BoundKV) -> Window:
+        return kv.window
+
+    def _switch(self, kv: _BoundKV, window: int, keep: int) -> None:
+        rows = self.read_rows(kv, keep) if keep else None
+        target = self.layout.all_windows()[window]
+        kv.maps.clear()
+        kv.buffers = {}  # the old buffers are freed with their last reference, before the new
+        kv.buffers = self._buffers(target)
+        kv.window, kv.nbytes = target, target.kv.bytes_per_session
+        if rows is not None:
+            self._put_rows(kv, rows)
+        log.debug("KV moved to window %d keeping %d rows", target.length, keep)
 
     def _full(self, kv: _BoundKV, name: str) -> npt.NDArray[Any]:
-        layout = self.layout.kv
+        layout = kv.window.kv
         shape = layout.k_shape if "_k_" in name else layout.v_shape
         flat: npt.NDArray[Any] = kv.buffers[name].read(int(np.prod(shape)), np.float32)
         return flat.reshape(shape)
@@ -322,7 +392,7 @@ class _CompiledRunner(_RunnerBase[_BoundKV]):
         io.pos_array += pos
         io.input_pos.write(io.pos_array)
         if io.mask is not None:
-            io.mask.write(_mask(n, pos, self.layout.context_length, sig.mask_shape))
+            io.mask.write(_mask(n, pos, kv.window.length, sig.mask_shape))
         bound = kv.maps.get(sig.key)
         if bound is None:
             inputs = {"tokens": io.tokens, "input_pos": io.input_pos, **kv.buffers}
@@ -342,8 +412,8 @@ class _CompiledRunner(_RunnerBase[_BoundKV]):
         except RuntimeError as exc:
             raise RuntimeFailure(f"{sig.key} failed: {exc}") from exc
 
-    def _logits(self) -> Logits:
-        io = self._io["decode"]
+    def _logits(self, sig: Signature) -> Logits:
+        io = self._io[sig.key]
         assert io.logits is not None  # discover_layout checked that decode outputs logits
         out: Logits = io.logits.read(io.logits_size, np.float32)
         return out
@@ -384,7 +454,9 @@ class _InterpreterRunner(_RunnerBase[_HostKV]):
         else:
             from ai_edge_litert.interpreter import Interpreter, OpResolverType, load_delegate
 
-        self.layout = layout
+        # KV windows are for the CompiledModel path: the Interpreter allocates every signature's
+        # KV inputs in its arena, so each window would cost its KV once per signature.
+        self.layout = replace(layout, windows=())
         delegates = []
         if delegate is not None:
             delegates.append(load_delegate(delegate[0], delegate[1]))
@@ -466,8 +538,8 @@ class _InterpreterRunner(_RunnerBase[_HostKV]):
         kv.loaded[key] = kv.version
         self._owner[key] = id(kv)
 
-    def _logits(self) -> Logits:
-        logits: Logits = self._view("decode", self._out["decode"]["logits"]).reshape(-1).copy()
+    def _logits(self, sig: Signature) -> Logits:
+        logits: Logits = self._view(sig.key, self._out[sig.key]["logits"]).reshape(-1).copy()
         return logits
 
     def close(self) -> None:
@@ -521,14 +593,18 @@ def load(
     context_length: int | None = None,
     prefer_interpreter: bool = False,
     cache_key: str | None = None,
+    kv_windows: bool = True,
 ) -> LoadedModel:
     """Load `path` under `profile`: check format and budget, then walk the accelerator chain.
 
     `cache_key` (the model's sha256) names the persistent XNNPACK weight cache file when the
     profile sets `xnnpack_weight_cache_dir`; without both, the cache lives in memory.
+    `kv_windows=False` runs only the full-length signatures of a file that has KV windows.
     """
     model = read_model_file(path)
     layout = discover_layout(model, context_length)
+    if not kv_windows:
+        layout = replace(layout, windows=())
     source = str(profile.source)
     if profile.runtime.require_fused and not model.fused:
         raise ModelFormatError(

@@ -10,6 +10,12 @@ KV layouts: ``default`` gives K and V [1, kv_max, kv_heads, head_dim]; ``transpo
 K [1, kv_heads, kv_max, head_dim] and V [1, kv_heads, head_dim, kv_max] (the layout
 LiteRT-LM expects, and faster).
 
+KV windows (``decode_windows``): the same signatures again for shorter KV lengths L, named
+``kv<L>_decode`` and ``kv<L>_prefill_<N>`` (prefill lengths below L), sharing the one set of
+weights. Attention costs what the KV length is, so a short session decoded in a small window
+reads far fewer KV bytes per token; the engine moves a session's rows up when it outgrows its
+window. Readers that only know ``decode``/``prefill_<N>`` see an ordinary file.
+
 One float conversion is done per call; quantized variants are produced from its bytes with
 `agent.toolchain.quantize` (the same path litert-torch takes internally).
 """
@@ -41,6 +47,7 @@ class ExportOptions:
     mask_as_input: bool = False
     enable_hlfb: bool = True
     output_logits_on_prefill: bool = False
+    decode_windows: tuple[int, ...] = ()  # shorter KV lengths exported beside kv_max
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -52,13 +59,22 @@ class ExportOptions:
                 f"prefill lengths {self.prefill_lens} must be in 1..kv_max ({self.kv_max})"
             )
         object.__setattr__(self, "prefill_lens", tuple(sorted(set(self.prefill_lens))))
+        windows = tuple(sorted(set(self.decode_windows)))
+        if any(w < 2 or w >= self.kv_max for w in windows):
+            raise ValueError(f"decode windows {windows} must be in 2..kv_max-1 ({self.kv_max - 1})")
+        object.__setattr__(self, "decode_windows", windows)
+
+    def window_prefill_lens(self, window: int) -> tuple[int, ...]:
+        """The prefill lengths exported for one KV window: those shorter than it."""
+        return tuple(n for n in self.prefill_lens if n < window)
 
     def tag(self) -> str:
         """A short, file-name-safe description (used by caches)."""
         p = "-".join(str(n) for n in self.prefill_lens)
+        w = "".join(f"_w{n}" for n in self.decode_windows)
         return (
             f"{self.layout[0]}_p{p}_kv{self.kv_max}_m{int(self.mask_as_input)}"
-            f"_h{int(self.enable_hlfb)}_l{int(self.output_logits_on_prefill)}"
+            f"_h{int(self.enable_hlfb)}_l{int(self.output_logits_on_prefill)}{w}"
         )
 
 
@@ -154,20 +170,24 @@ def convert_fp32(model, spec: DecoderSpec, opts: ExportOptions, out_path: Path) 
     print(
         f"[toolchain] converting {spec.num_layers}x{spec.embedding_dim} decoder "
         f"({opts.layout} KV, kv_max {opts.kv_max}, prefill {list(opts.prefill_lens)}, "
-        f"mask_as_input={opts.mask_as_input}, composites={opts.enable_hlfb}) ...",
+        f"mask_as_input={opts.mask_as_input}, composites={opts.enable_hlfb}, "
+        f"KV windows {list(opts.decode_windows)}) ...",
         flush=True,
     )
     with tempfile.TemporaryDirectory(dir=out_path.parent, prefix=".convert-") as tmp:
-        written = converter.convert_to_tflite(
-            model,
-            output_path=tmp,
-            output_name_prefix="model",
-            prefill_seq_len=list(opts.prefill_lens),
-            kv_cache_max_len=opts.kv_max,
-            quantize="none",
-            config=model.config,
-            export_config=_export_config(opts),
-        )
+        if opts.decode_windows:
+            written = _convert_windows(model, opts, tmp)
+        else:
+            written = converter.convert_to_tflite(
+                model,
+                output_path=tmp,
+                output_name_prefix="model",
+                prefill_seq_len=list(opts.prefill_lens),
+                kv_cache_max_len=opts.kv_max,
+                quantize="none",
+                config=model.config,
+                export_config=_export_config(opts),
+            )
         os.replace(written, out_path)
     print(
         f"[toolchain] converted {out_path.name}: {out_path.stat().st_size / 1e6:.2f} MB "
@@ -175,6 +195,41 @@ def convert_fp32(model, spec: DecoderSpec, opts: ExportOptions, out_path: Path) 
         flush=True,
     )
     return out_path
+
+
+def _convert_windows(model, opts: ExportOptions, tmp: str) -> str:
+    """`converter.convert_to_tflite` with one more set of signatures per KV window.
+
+    One converter, one module: the signatures share the weights in the written file.
+    """
+    import torch
+    from litert_torch._convert import interface as converter_utils
+    from litert_torch.generative.utilities import converter
+
+    torch._dynamo.config.cache_size_limit = 64  # as convert_to_tflite sets it
+    conv = converter_utils.Converter()
+    ec = _export_config(opts)
+    sets = [("", opts.prefill_lens, opts.kv_max)]
+    sets += [(f"kv{w}_", opts.window_prefill_lens(w), w) for w in opts.decode_windows]
+    for prefix, lens, kv_len in sets:
+        # a private helper of the pinned litert-torch: it has no public per-set API
+        converter._add_signatures(
+            conv,
+            model,
+            list(lens),
+            kv_len,
+            None,
+            0,
+            model.config,
+            [None],
+            ec,
+            signature_prefix=prefix,
+        )
+    out = os.path.join(tmp, "model_windows.tflite")
+    conv.convert(quant_config=converter.get_quant_recipe_from_flag("none", model.config)).export(
+        out
+    )
+    return out
 
 
 def variant_file_name(quantization: str, prefix: str = "model") -> str:
@@ -235,6 +290,7 @@ def export_tiny(
     seed: int = 0,
     enable_hlfb: bool = True,
     spec: DecoderSpec = TINY_SPEC,
+    decode_windows: Sequence[int] = (),
 ) -> Path:
     """Convert a tiny random-weight decoder (`TINY_SPEC`: 2 layers, dim 128, vocab 256).
 
@@ -247,6 +303,7 @@ def export_tiny(
         kv_max=kv_max,
         mask_as_input=mask_as_input,
         enable_hlfb=enable_hlfb,
+        decode_windows=tuple(decode_windows),
     )
     out_dir = Path(out_dir)
     prefix = f"tiny_{opts.tag()}_s{seed}"

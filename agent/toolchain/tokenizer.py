@@ -78,6 +78,30 @@ def train_tokenizer(
     return out_path
 
 
+def pad_tokenizer(src: Path, vocab_size: int, dst: Path) -> Path:
+    """Copy a SentencePiece model, padded to `vocab_size` pieces with placeholders.
+
+    For a model whose vocabulary is larger than its tokenizer's (a random-weight model of a
+    real LLM's shape): engines that sample over every logit (LiteRT-LM) must be able to
+    detokenize any id. The placeholders are user-defined pieces ``<unused_N>``: they decode to
+    their own text and never match ordinary input.
+    """
+    from sentencepiece import sentencepiece_model_pb2 as spm_pb
+
+    proto = spm_pb.ModelProto()
+    proto.ParseFromString(Path(src).read_bytes())
+    have = len(proto.pieces)
+    if vocab_size < have:
+        raise ValueError(f"{src} has {have} pieces, more than the vocabulary {vocab_size}")
+    for i in range(have, vocab_size):
+        piece = proto.pieces.add()
+        piece.piece = f"<unused_{i}>"
+        piece.score = 0.0
+        piece.type = spm_pb.ModelProto.SentencePiece.USER_DEFINED
+    Path(dst).write_bytes(proto.SerializeToString())
+    return Path(dst)
+
+
 def load(path: Path):
     import sentencepiece as spm
 
