@@ -138,6 +138,7 @@ def test_plan_prefill_never_runs_past_the_cache(tiny_model_factory) -> None:
             assert [c.offset for c in calls] == list(np.cumsum([0] + [c.count for c in calls[:-1]]))
             for c in calls:
                 assert start + c.offset + c.signature.length <= 64
+
     # the cheapest plan: a call costs its padded length plus CALL_COST_TOKENS (8)
     def plan(n: int, start: int = 0) -> list[int]:
         return [c.signature.length for c in litert.plan_prefill(layout.full, n, start)]
@@ -300,8 +301,10 @@ def test_xnnpack_weight_cache_file_is_written_reused_and_pruned(
     want = _decode_all(litert.load(path, make_profile()).runner, PROMPT[:6])
 
     first = litert.load(path, profile, cache_key="a" * 64)
-    cache = cache_dir / f"{'a' * 64}{litert.WEIGHT_CACHE_SUFFIX}"
-    assert [p.name for p in cache_dir.iterdir()] == [cache.name]  # the stale file is gone
+    # the fused model runs with its composites inlined: that file has its own packed weights
+    cache = cache_dir / f"{'a' * 64}.inlined{litert.WEIGHT_CACHE_SUFFIX}"
+    inlined = cache_dir / f"{'a' * 64}{litert.INLINED_SUFFIX}"
+    assert sorted(p.name for p in cache_dir.iterdir()) == sorted([cache.name, inlined.name])
     written = cache.stat()
     assert written.st_size > 0
     np.testing.assert_allclose(_decode_all(first.runner, PROMPT[:6]), want, rtol=1e-4, atol=1e-4)
@@ -309,6 +312,38 @@ def test_xnnpack_weight_cache_file_is_written_reused_and_pruned(
     second = litert.load(path, profile, cache_key="a" * 64)
     assert cache.stat().st_mtime_ns == written.st_mtime_ns
     np.testing.assert_allclose(_decode_all(second.runner, PROMPT[:6]), want, rtol=1e-4, atol=1e-4)
+    # another model's files are pruned, the inlined copy included
+    other = litert.load(path, profile, cache_key="b" * 64)
+    assert not cache.exists() and not inlined.exists()
+    assert other.accelerator == "xnnpack"
+
+
+@NOT_LEGACY
+def test_composites_are_inlined_for_xnnpack(tiny_model_factory, dev_profile, tmp_path) -> None:
+    """Every STABLEHLO_COMPOSITE op is replaced by its decomposition: the same signatures and
+    weights, no composite left, and the same logits."""
+    from agent.runtime.inline import inline_file
+
+    path = tiny_model_factory(
+        layout="transposed", prefill_lens=(8, 16), kv_max=64, quantization="int8"
+    )
+    fused = read_model_file(path)
+    assert fused.fused
+    out = tmp_path / "inlined.tflite"
+    assert inline_file(path, out) >= 3  # rms_norm composites in each of the 3 signatures
+    flat = read_model_file(out)
+    assert not flat.fused
+    assert [s.key for s in flat.signatures] == [s.key for s in fused.signatures]
+
+    def big(m):  # type: ignore[no-untyped-def]
+        return [w for w in m.weights if w[0] in ("FULLY_CONNECTED", "EMBEDDING_LOOKUP")]
+
+    assert big(flat) == big(fused)  # the same weight tensors, shared buffers intact
+    a = litert.load(path, dev_profile).runner  # no weight cache dir: loaded as it is
+    b = litert.load(out, dev_profile).runner
+    np.testing.assert_array_equal(_decode_all(a, PROMPT[:12]), _decode_all(b, PROMPT[:12]))
+    # a model without composites is left alone
+    assert inline_file(out, tmp_path / "again.tflite") == 0
 
 
 @NOT_LEGACY
@@ -333,4 +368,6 @@ def test_no_working_accelerator_is_an_error(tiny_model_factory, make_profile) ->
     # cpu still works: the chain ends there
     assert litert.load(path, profile).accelerator == "cpu"
     with pytest.raises(AcceleratorError):
-        litert._open(path, discover_layout(read_model_file(path)), profile, "npu", 2, False, None)
+        litert._open(
+            path, discover_layout(read_model_file(path)), profile, "npu", 2, False, None, False
+        )

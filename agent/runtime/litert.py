@@ -623,7 +623,9 @@ def load(
     for i, acc in enumerate(chain):
         nxt = chain[i + 1] if i + 1 < len(chain) else "nothing"
         try:
-            runner, kind = _open(path, layout, profile, acc, threads, prefer_interpreter, cache_key)
+            runner, kind = _open(
+                path, layout, profile, acc, threads, prefer_interpreter, cache_key, model.fused
+            )
         except (OSError, RuntimeError, ValueError, AcceleratorError) as exc:
             text = str(exc).strip()
             reason = f"{acc}: {text.splitlines()[0] if text else type(exc).__name__}"
@@ -682,6 +684,29 @@ def check_legacy_compatible(model: ModelFile, path: Path, layout: ModelLayout) -
 # once per signature: 3x the packed bytes for a model with 4 signatures (docs/PERFORMANCE.md).
 IN_MEMORY_WEIGHT_CACHE: Final = ":memory:"
 WEIGHT_CACHE_SUFFIX: Final = ".xnnpack"
+INLINED_SUFFIX: Final = ".inlined.tflite"
+
+
+def inlined_model(path: Path, profile: DeviceProfile, cache_key: str | None) -> tuple[Path, int]:
+    """The model to give XNNPACK: `path` with its composites inlined (`agent.runtime.inline`),
+    kept beside the packed weights as ``<sha256>.inlined.tflite``, when the profile has a
+    weight cache directory; else `path` itself. Returns (path, composites inlined)."""
+    directory = profile.runtime.xnnpack_weight_cache_dir
+    if directory is None or cache_key is None:
+        log.info("composites not inlined: the profile sets no xnnpack_weight_cache_dir")
+        return path, 0
+    from agent.runtime.inline import inline_file
+
+    target = directory / f"{cache_key}{INLINED_SUFFIX}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if target.exists():
+            return target, -1  # made by an earlier load: count unknown, nonzero
+        n = inline_file(path, target)
+    except (OSError, ModelFormatError, ValueError, AttributeError) as exc:
+        log.warning("composites not inlined (%s); loading %s as it is", exc, path.name)
+        return path, 0
+    return (target, n) if n else (path, 0)
 
 
 def weight_cache_path(profile: DeviceProfile, cache_key: str | None) -> str:
@@ -699,8 +724,10 @@ def weight_cache_path(profile: DeviceProfile, cache_key: str | None) -> str:
         directory.mkdir(parents=True, exist_ok=True)
         if not os.access(directory, os.W_OK | os.X_OK) and not target.exists():
             raise PermissionError(f"{directory} is not writable")
-        for old in directory.glob(f"*{WEIGHT_CACHE_SUFFIX}"):
-            if old != target:
+        keep = {target, directory / f"{cache_key.split('.')[0]}{INLINED_SUFFIX}"}
+        ours = (*directory.glob(f"*{WEIGHT_CACHE_SUFFIX}"), *directory.glob(f"*{INLINED_SUFFIX}"))
+        for old in ours:
+            if old not in keep:
                 old.unlink(missing_ok=True)
                 log.info("weight cache removed: %s (another model)", old)
     except OSError as exc:
@@ -717,14 +744,15 @@ def _open(
     threads: int,
     prefer_interpreter: bool,
     cache_key: str | None,
+    fused: bool,
 ) -> tuple[Runner, str]:
     npu = profile.npu
+    backend = profile.runtime.backend
     if acc == "npu":
         if npu is None:
             raise AcceleratorError("no [npu] section in the profile")
         if not os.path.exists(npu.library):
             raise AcceleratorError(f"{npu.library} does not exist")
-        backend = profile.runtime.backend
         if npu.kind == "external_delegate":
             opts = npu.options_as_strings()
             return _InterpreterRunner(
@@ -733,6 +761,13 @@ def _open(
         if backend == LEGACY_BACKEND:
             raise AcceleratorError("a dispatch-library NPU needs ai-edge-litert's CompiledModel")
         return _CompiledRunner(path, layout, "npu", threads, None, npu.library), "compiled"
+    if fused and backend != LEGACY_BACKEND:
+        # XNNPACK cannot take a composite: each one splits the delegated graph (6-10% of a
+        # decode step, docs/PERFORMANCE.md); LiteRT-LM inlines them when it compiles, so do we
+        path, inlined = inlined_model(path, profile, cache_key)
+        if inlined and cache_key is not None:
+            cache_key += ".inlined"  # another file: its own packed weights
+            log.info("running %s (composites inlined)", path.name)
     cache = weight_cache_path(profile, cache_key) if acc == "xnnpack" else None
     if prefer_interpreter:
         runner = _InterpreterRunner(path, layout, acc, threads, None, profile.runtime.backend)
