@@ -569,14 +569,12 @@ class Engine:
         for p in self._sched.admit():
             try:
                 start = self._bind(p)
-            except (SessionLost, Overloaded) as exc:
-                self._sched.finish(p)
-                if p.session is not None:
-                    p.session.busy = False
-                self._totals["failed"] += 1
-                p.handle.emit(
-                    TokenEvent("", finish_reason="error", stats=_empty_stats(p), error=str(exc))
-                )
+            except (SessionLost, Overloaded) as exc:  # logged where they arise
+                self._fail_admitted(p, str(exc))
+                continue
+            except Exception as exc:  # one failed request must not take the engine down
+                log.exception("request %s failed to start", p.handle.id)
+                self._fail_admitted(p, f"{type(exc).__name__}: {exc}")
                 continue
             assert p.kv is not None
             p.generation = Generation(
@@ -598,6 +596,16 @@ class Engine:
                 deadline=p.deadline,
                 queued_at=p.handle.submitted_at,
             )
+
+    def _fail_admitted(self, p: _Prepared, error: str) -> None:
+        """End a request that could not get its KV cache: its slot, cache and session go back."""
+        self._sched.finish(p)
+        if p.session is not None:
+            p.session.busy = False
+        elif p.kv is not None:
+            self._store.give_kv(p.kv)
+        self._totals["failed"] += 1
+        p.handle.emit(TokenEvent("", finish_reason="error", stats=_empty_stats(p), error=error))
 
     def _bind(self, p: _Prepared) -> int:
         """Give an admitted request its KV cache; returns the first row it writes. A session
@@ -671,13 +679,18 @@ class Engine:
             session = p.session
             start = session.kv_len if session is not None else 0
             if last.finish_reason in ("stop", "length"):
-                self._remember_prefix(p, start)
+                try:
+                    self._remember_prefix(p, start)
+                except Exception:  # only the cache misses it: the request has its answer
+                    log.exception("request %s: prompt not added to the prefix cache", p.handle.id)
             if session is not None:
                 gen = p.generation
                 assert gen is not None and p.new_ids is not None
                 session.turns.append(len(session.tokens))
                 session.tokens += p.new_ids + gen.generated
-                session.kv_len = gen.kv_rows
+                # a turn that failed in the runtime (a step, a KV window move) may have left its
+                # cache half written: the next turn prefills the history again from its tokens
+                session.kv_len = 0 if last.finish_reason == "error" else gen.kv_rows
                 session.busy = False
                 session.last_used = time.time()
             elif p.kv is not None:

@@ -185,12 +185,15 @@ class SessionStore:
             child.tokens, child.turns = list(parent.tokens), list(parent.turns)
             if snap is not None:
                 child.kv_len = len(snap.tokens)
+                kv = None
                 try:
                     kv = self.take_kv()
-                except Overloaded:
+                    self._runner.write_rows(kv, snap.arrays)
+                except Exception:  # no child rather than one without its rows
+                    if kv is not None:
+                        self._pool.give(kv)
                     del self.sessions[child.id]
                     raise
-                self._runner.write_rows(kv, snap.arrays)
                 child.kv, child.tier, child.kv_bytes = kv, "bound", kv.nbytes
         finally:
             parent.busy = False
@@ -265,12 +268,18 @@ class SessionStore:
         s.tier = "empty"  # in transit: no spill below can pick it
         try:
             kv = self.take_kv()
-        except Overloaded:
+        except Exception:  # no cache for it (or another's spill failed): its rows go back
             if snap is not None:
                 self._to_host(s, snap)
             raise
         if snap is not None:
-            self._runner.write_rows(kv, snap.arrays)
+            try:
+                self._runner.write_rows(kv, snap.arrays)
+            except Exception as exc:  # never continue on a cache without its rows
+                self._pool.give(kv)
+                why = f"its KV could not be restored ({type(exc).__name__}: {exc})"
+                self._drop(s, why)
+                raise SessionLost(s.id, why) from exc
         s.kv, s.tier, s.kv_bytes = kv, "bound", kv.nbytes
         return kv
 
@@ -349,7 +358,11 @@ class SessionStore:
         if self._disk is None:
             self._drop(s, "its KV did not fit the host tier and the disk tier is off")
             return
-        stored = self._disk.put(s.id, snap, s.meta())
+        try:
+            stored = self._disk.put(s.id, snap, s.meta())
+        except Exception as exc:  # put reports OSError itself; this is MemoryError and the like
+            self._drop(s, f"it could not be saved ({type(exc).__name__}: {exc})")
+            return
         for sid in stored.evicted:
             victim = self.sessions.get(sid)
             if victim is not None and victim is not s:
