@@ -490,14 +490,24 @@ def run_main(a: argparse.Namespace, skipped: list[str]) -> dict[str, Any] | None
     return out
 
 
-def run_windows(a: argparse.Namespace, skipped: list[str]) -> dict[str, Any] | None:
-    model = ensure_model(*WINDOW_MODEL)
+def model_and_bundle(
+    section: str, spec: tuple[Path, list[str]], skipped: list[str]
+) -> tuple[Path | None, Path | None]:
+    """A section's int8 model and its LiteRT-LM bundle, each None (and said so) if missing."""
+    model = ensure_model(*spec)
     if model is None:
-        skipped.append("windows: no model (toolchain extra missing)")
-        return None
+        skipped.append(f"{section}: no model (toolchain extra missing)")
+        return None, None
     bundle = pack_litertlm(model, "int8")
     if bundle is None:
-        skipped.append("windows: LiteRT-LM column (peer extra missing)")
+        skipped.append(f"{section}: the LiteRT-LM column (peer extra missing)")
+    return model, bundle
+
+
+def run_windows(a: argparse.Namespace, skipped: list[str]) -> dict[str, Any] | None:
+    model, bundle = model_and_bundle("windows", WINDOW_MODEL, skipped)
+    if model is None:
+        return None
     t = max(a.threads)
     profile = bench_profile(t, "int8")
     out: dict[str, Any] = {"model": model.name, "threads": t, "points": []}
@@ -528,11 +538,9 @@ def run_windows(a: argparse.Namespace, skipped: list[str]) -> dict[str, Any] | N
 
 
 def run_continue(a: argparse.Namespace, skipped: list[str]) -> dict[str, Any] | None:
-    model = ensure_model(*MAIN_MODEL)
+    model, bundle = model_and_bundle("continue", MAIN_MODEL, skipped)
     if model is None:
-        skipped.append("continue: no model (toolchain extra missing)")
         return None
-    bundle = pack_litertlm(model, "int8")
     t = max(a.threads)
     profile = bench_profile(t, "int8")
     edge, peer = [], []
@@ -542,8 +550,6 @@ def run_continue(a: argparse.Namespace, skipped: list[str]) -> dict[str, Any] | 
         if bundle is not None:
             peer.append(spawn("litertlm", task="continue", bundle=bundle, **common))
         print("continue", edge[-1], peer[-1] if peer else "")
-    if bundle is None:
-        skipped.append("continue: LiteRT-LM columns (peer extra missing)")
     out: dict[str, Any] = {
         "model": model.name,
         "threads": t,

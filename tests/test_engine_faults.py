@@ -14,6 +14,7 @@ from agent.engine.engine import Engine
 from agent.engine.types import GenerateRequest, TokenEvent
 from agent.errors import RuntimeFailure, SessionLost
 from tests import test_sessions
+from tests.test_engine import _greedy_continue
 from tests.test_sessions import GREEDY, MIB, TURNS, push_out, reference, tier, turn
 
 tiered = test_sessions.tiered  # the engine fixture of the tier tests, shared
@@ -125,7 +126,7 @@ def test_a_failed_fork_leaves_no_half_made_session(tiered, monkeypatch) -> None:
 def test_a_runtime_failure_mid_turn_recomputes_the_session_next_turn(tiered, monkeypatch) -> None:
     """A runtime failure that left the cache damaged (here: zeroed, then raised) ends the turn
     with an error; the session's next turn prefills the whole history again, so its tokens are
-    the greedy continuation of the history, computed here on a fresh cache."""
+    the greedy continuation of the history, computed on a fresh cache."""
     e = tiered(caches=1, host=16 * MIB)
     sid = e.create_session()
     turn(e, sid, TURNS[0])
@@ -145,21 +146,5 @@ def test_a_runtime_failure_mid_turn_recomputes_the_session_next_turn(tiered, mon
     assert fired and failed[-1].finish_reason == "error"
     history = e.session_tokens(sid)
     got = turn(e, sid, TURNS[2])
-    assert got == _greedy(e, history + e.tokenizer.encode(TURNS[2]), len(got))
+    assert list(got) == _greedy_continue(e, history + e.tokenizer.encode(TURNS[2]), len(got))
     assert e.session_tokens(sid) == history + e.tokenizer.encode(TURNS[2]) + list(got)
-
-
-def _greedy(e: Engine, tokens: list[int], n: int) -> tuple[int, ...]:
-    """Greedy continuation of `tokens` by a plain decode loop on a fresh runtime cache."""
-    import numpy as np
-
-    runner = e.loaded.runner
-    kv = runner.new_kv()
-    for pos, t in enumerate(tokens[:-1]):
-        runner.decode(kv, t, pos)
-    token, pos, out = tokens[-1], len(tokens) - 1, []
-    while len(out) < n:
-        token = int(np.argmax(runner.decode(kv, token, pos)[: e.tokenizer.vocab_size]))
-        pos += 1
-        out.append(token)
-    return tuple(out)

@@ -690,7 +690,8 @@ INLINED_SUFFIX: Final = ".inlined.tflite"
 def inlined_model(path: Path, profile: DeviceProfile, cache_key: str | None) -> tuple[Path, int]:
     """The model to give XNNPACK: `path` with its composites inlined (`agent.runtime.inline`),
     kept beside the packed weights as ``<sha256>.inlined.tflite``, when the profile has a
-    weight cache directory; else `path` itself. Returns (path, composites inlined)."""
+    weight cache directory; else `path` itself. Returns (path, composites inlined), the count
+    -1 when an earlier load's copy is reused."""
     directory = profile.runtime.xnnpack_weight_cache_dir
     if directory is None or cache_key is None:
         log.info("composites not inlined: the profile sets no xnnpack_weight_cache_dir")
