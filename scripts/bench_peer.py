@@ -438,6 +438,16 @@ def spawn(engine: str, **kw: Any) -> dict[str, Any]:
     raise RuntimeError(f"{engine} worker failed ({r.returncode}):\n{r.stderr[-4000:]}")
 
 
+MAIN_KEYS = (
+    "decode_tok_s",
+    "ttft64_ms",
+    "ttft448_ms",
+    "prefill64_tok_s",
+    "prefill448_tok_s",
+    "peak_rss_mib",
+)
+
+
 def collect(rows: list[dict[str, Any]], key: str) -> dict[str, float] | None:
     xs = [r[key] for r in rows if key in r]
     return med(xs) if xs else None
@@ -477,13 +487,12 @@ def run_main(a: argparse.Namespace, skipped: list[str]) -> dict[str, Any] | None
             ceiling = bw[t] * 1e9 / bpt["total"]
             cell["ceiling_tok_s"] = ceiling
             for e, rows in runs.items():
-                keys = ["decode_tok_s", "ttft64_ms", "ttft448_ms", "prefill64_tok_s"]
-                keys += ["prefill448_tok_s", "peak_rss_mib"]
-                stats: dict[str, Any] = {}
-                for k in keys:
+                stats: dict[str, Any] = {"rounds": {}}
+                for k in MAIN_KEYS:
                     got = collect(rows, k)
                     if got is not None:
                         stats[k] = got
+                        stats["rounds"][k] = [row[k] for row in rows]
                 stats["of_ceiling"] = stats["decode_tok_s"]["median"] / ceiling
                 cell[e] = stats
             out["cells"].append(cell)
@@ -600,6 +609,9 @@ def md_main(m: dict[str, Any]) -> list[str]:
             )
     lines += [
         "",
+        "Ratios are paired: the median (min–max) over rounds of the ratio within a round, so a "
+        "slow spell of the machine that hits one round hits both sides of its ratio.",
+        "",
         "| quant | threads | bytes/token (weights + KV) | ceiling tok/s | decode edge ÷ LiteRT-LM "
         "(≥ 1 is better) | decode gRPC ÷ in-process | TTFT 64 edge ÷ LiteRT-LM (≤ 1 is better) "
         "| TTFT 448 edge ÷ LiteRT-LM | peak RSS edge ÷ LiteRT-LM (≤ 1 is better) |",
@@ -610,7 +622,12 @@ def md_main(m: dict[str, Any]) -> list[str]:
         e, g, p = c["edge"], c["grpc"], c.get("litertlm")
 
         def ratio(x: dict[str, Any], y: dict[str, Any] | None, k: str) -> str:
-            return f"{x[k]['median'] / y[k]['median']:.2f}x" if y and k in y else "–"
+            if not y or k not in y:
+                return "–"
+            xs, ys = x.get("rounds", {}).get(k), y.get("rounds", {}).get(k)
+            if not xs or not ys:  # a run saved before the rounds were kept: medians
+                return f"{x[k]['median'] / y[k]['median']:.2f}x (of medians)"
+            return fmt(med([a / b for a, b in zip(xs, ys, strict=True)]), 2).replace(" (", "x (")
 
         lines.append(
             f"| {c['quant']} | {c['threads']} | {b['total'] / 1e6:.1f} MB "
@@ -735,13 +752,19 @@ def report(res: dict[str, Any], command: str) -> str:
     ]
     if res["skipped"]:
         lines += ["Skipped: " + "; ".join(res["skipped"]) + ".", ""]
-    if res.get("main"):
-        lines += ["#### Against LiteRT-LM and the bandwidth ceiling", "", *md_main(res["main"]), ""]
-    if res.get("windows"):
-        lines += ["#### KV windows: decode cost follows the used context", ""]
-        lines += [*md_windows(res["windows"]), ""]
-    if res.get("continue"):
-        lines += ["#### Continuing a conversation", "", *md_continue(res["continue"]), ""]
+    sections = (
+        ("main", "Against LiteRT-LM and the bandwidth ceiling", md_main),
+        ("windows", "KV windows: decode cost follows the used context", md_windows),
+        ("continue", "Continuing a conversation", md_continue),
+    )
+    for key, title, md in sections:
+        part = res.get(key)
+        if not part:
+            continue
+        lines += [f"#### {title}", ""]
+        if part.get("date", res["date"]) != res["date"]:
+            lines += [f"(From the run of {part['date']}, {part['rounds']} rounds.)", ""]
+        lines += [*md(part), ""]
     if res.get("plot"):
         lines += ["![decode speed](bench/peer.png)", ""]
     return "\n".join(lines).rstrip()
@@ -781,14 +804,20 @@ def main() -> None:
         from importlib.metadata import version
 
         res["litert_lm_version"] = version("litert-lm-api")
-    if "main" in parts:
-        res["main"] = run_main(a, skipped)
-        if res["main"]:
-            res["main"]["tokens"] = a.tokens
-    if "windows" in parts:
-        res["windows"] = run_windows(a, skipped)
-    if "continue" in parts:
-        res["continue"] = run_continue(a, skipped)
+    runners = {"main": run_main, "windows": run_windows, "continue": run_continue}
+    saved_path = ROOT / "docs" / "bench" / "peer.json"
+    saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}
+    for section, run in runners.items():
+        if section in parts:
+            res[section] = run(a, skipped)
+            if res[section]:
+                res[section].update(date=res["date"], rounds=a.rounds)
+        elif saved.get(section):  # --only: keep the other sections of the last run, dated
+            res[section] = saved[section]
+            res[section].setdefault("date", saved["date"])
+            res[section].setdefault("rounds", saved["rounds"])
+    if res.get("main"):
+        res["main"]["tokens"] = a.tokens
     for s in skipped:
         print("SKIPPED:", s)
     command = "python " + " ".join(["scripts/bench_peer.py", *sys.argv[1:]])
