@@ -22,21 +22,25 @@ Sections:
 * ``windows``: the same shape with KV 4096 and KV windows 256 and 1024 in the one file: decode
   tok/s by used context with the windows, without them (the single-length signatures of the
   same file), and LiteRT-LM; greedy tokens compared.
-* ``continue``: continuing a 1,000-token conversation: edge-agent sessions (bound, and from
+* ``continue``: continuing a ~1,000-token conversation: edge-agent sessions (bound, and from
   the disk tier after a restart) against LiteRT-LM re-prefilling the history, and against a
-  LiteRT-LM session kept alive in its process.
+  LiteRT-LM session kept alive in its process (976 tokens of history: LiteRT-LM cannot prefill
+  closer to the end of the 1024-row cache);
+* ``continue4096``: the same with exactly 1,000 tokens of history on the KV-4096 model.
 
 Writes docs/bench/peer.json, a section of docs/PERFORMANCE.md and docs/bench/peer.png. What
 is missing is skipped and said so: the toolchain extra (to build the models), the ``peer``
 extra (litert-lm-api, litert-lm-builder), the ``bench`` extra (matplotlib, for the plot).
 
     python scripts/bench_peer.py [--rounds 3] [--tokens 128] [--threads 2 --threads 1]
-                                 [--only main|windows|continue] [--no-write]
+                                 [--only main|windows|continue|continue4096]
+                                 [--no-write] [--report-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -47,6 +51,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +68,17 @@ MAIN_MODEL = (
     MODELS / "smollm-kv1024",
     [*SMOLLM, "--kv-max", "1024", "--quant", "int8", "--quant", "int4_block32"],
 )
+# Prefill 8 besides the usual 32/128/512: near the end of a window no 32-token call fits, and
+# a turn there would otherwise run up to 31 tokens one by one (measured: a 16-token turn at
+# row 1,000 of the 1024-row window took 291 ms as 16 decode calls; moving up to the 4096-row
+# window first cost more: the move 85-350 ms plus 208 ms for a 32-token call over 4096 rows).
 WINDOW_MODEL = (
-    MODELS / "smollm-kv4096w",
-    [*SMOLLM, "--kv-max", "4096", "--window", "256", "--window", "1024", "--quant", "int8"],
+    MODELS / "smollm-kv4096w8",
+    [
+        *SMOLLM,
+        *("--kv-max", "4096", "--window", "256", "--window", "1024", "--quant", "int8"),
+        *("--prefill", "8", "--prefill", "32", "--prefill", "128", "--prefill", "512"),
+    ],
 )
 QUANTS = ("int8", "int4_block32")
 ENGINES = ("edge", "grpc", "litertlm")
@@ -76,6 +89,10 @@ PROMPTS = (64, 448)
 # state entries"), where edge-agent finishes with shorter signatures and decode (measured).
 HISTORY = 976
 TURN = 16
+# On the KV-4096 model (windows 256/1024) the conversation is exactly 1,000 tokens: 999 of
+# prompt plus the answer's one; LiteRT-LM runs that file's full-length signatures.
+HISTORY_4096 = 999
+SECTIONS = ("main", "windows", "continue", "continue4096")
 WINDOW_USED = (128, 1000, 3000)  # used context (prompt + decoded) for the windows section
 WINDOW_DECODE = 64
 
@@ -281,7 +298,7 @@ def continue_edge(a: argparse.Namespace) -> dict[str, Any]:
     profile = load_profile(Path(a.profile))
     e = Engine(profile, Path(a.model), quantization=a.quant, state_dir=state)
     tok = e.tokenizer
-    history, turn = prompt_text(tok, HISTORY), prompt_text(tok, TURN + 1)
+    history, turn = prompt_text(tok, a.history), prompt_text(tok, TURN + 1)
     warm = GenerateRequest(prompt_text(tok, 64), max_tokens=8, sampling=greedy)
     e.complete(warm)  # both engines warmed up like the others (a daemon that has served)
     sid = e.create_session()
@@ -388,7 +405,7 @@ def worker_litertlm(a: argparse.Namespace) -> dict[str, Any]:
         _, rate, n, _ = run(prompt_text(tok, a.prompt), a.tokens)
         out.update(decode_tok_s=rate, decoded=n)
     elif a.task == "continue":
-        history, turn = prompt_text(tok, HISTORY), prompt_text(tok, TURN + 1)
+        history, turn = prompt_text(tok, a.history), prompt_text(tok, TURN + 1)
         # re-prefilling the history and the turn in a new session: what a restart, or a
         # conversation that was not the one kept in memory, costs
         out["reprefill_ttft_ms"], _, _, info = run(history + turn, 1)
@@ -415,6 +432,7 @@ def worker_main(argv: list[str]) -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--no-windows", action="store_true")
+    ap.add_argument("--history", type=int, default=HISTORY)
     a = ap.parse_args(argv)
     fn = {"edge": worker_edge, "grpc": worker_grpc, "litertlm": worker_litertlm}[a.engine]
     print("RESULT " + json.dumps(fn(a)), flush=True)
@@ -519,11 +537,12 @@ def run_windows(a: argparse.Namespace, skipped: list[str]) -> dict[str, Any] | N
         return None
     t = max(a.threads)
     profile = bench_profile(t, "int8")
-    out: dict[str, Any] = {"model": model.name, "threads": t, "points": []}
+    rounds = min(a.rounds, 3)  # differences far above the noise: 3 rounds
+    out: dict[str, Any] = {"model": model.name, "threads": t, "points": [], "rounds": rounds}
     for used in WINDOW_USED:
         prompt = used - WINDOW_DECODE
         runs: dict[str, list[dict[str, Any]]] = {"windows": [], "single": [], "litertlm": []}
-        for r in range(min(a.rounds, 3)):  # differences far above the noise: 3 rounds
+        for r in range(rounds):
             common = dict(model=model, quant="int8", profile=profile, threads=t, prompt=prompt)
             runs["windows"].append(spawn("edge", task="window", tokens=WINDOW_DECODE, **common))
             runs["single"].append(
@@ -546,15 +565,22 @@ def run_windows(a: argparse.Namespace, skipped: list[str]) -> dict[str, Any] | N
     return out
 
 
-def run_continue(a: argparse.Namespace, skipped: list[str]) -> dict[str, Any] | None:
-    model, bundle = model_and_bundle("continue", MAIN_MODEL, skipped)
+def run_continue(
+    a: argparse.Namespace,
+    skipped: list[str],
+    section: str = "continue",
+    spec: tuple[Path, list[str]] = MAIN_MODEL,
+    history: int = HISTORY,
+) -> dict[str, Any] | None:
+    model, bundle = model_and_bundle(section, spec, skipped)
     if model is None:
         return None
     t = max(a.threads)
     profile = bench_profile(t, "int8")
     edge, peer = [], []
-    for _ in range(min(a.rounds, 3)):
-        common = dict(model=model, quant="int8", profile=profile, threads=t)
+    rounds = min(a.rounds, 3)  # differences far above the noise: 3 rounds
+    for _ in range(rounds):
+        common = dict(model=model, quant="int8", profile=profile, threads=t, history=history)
         edge.append(spawn("edge", task="continue", **common))
         if bundle is not None:
             peer.append(spawn("litertlm", task="continue", bundle=bundle, **common))
@@ -562,6 +588,7 @@ def run_continue(a: argparse.Namespace, skipped: list[str]) -> dict[str, Any] | 
     out: dict[str, Any] = {
         "model": model.name,
         "threads": t,
+        "rounds": rounds,
         "history_tokens": edge[0]["history_tokens"],
         "turn_tokens": edge[0]["turn_tokens"],
         "bound_ttft_ms": collect(edge, "bound_ttft_ms"),
@@ -664,7 +691,7 @@ def md_windows(w: dict[str, Any]) -> list[str]:
 def md_continue(c: dict[str, Any]) -> list[str]:
     lines = [
         f"A {c['history_tokens']}-token conversation continued with a {c['turn_tokens']}-token "
-        f"turn (int8, {c['threads']} threads): time to first token.",
+        f"turn (`{c['model']}`, int8, {c['threads']} threads): time to first token.",
         "",
         "| how | TTFT (ms) |",
         "|---|---|",
@@ -737,17 +764,16 @@ def plot(res: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def report(res: dict[str, Any], command: str) -> str:
+def report(res: dict[str, Any]) -> str:
     lines = [
-        f"Measured {res['date']} on {res['machine']}, Python {res['python']}; every figure is "
-        f"the median (min–max) of {res['rounds']} alternating rounds (3 for the windows and "
-        "the continued conversation, whose differences are far above the noise), each "
-        "contender in a "
-        "fresh process, loaded once, warmed up with the same request, timed where its tokens "
-        f"arrive: LiteRT-LM {res.get('litert_lm_version', '(not installed)')} at the consumer "
-        "of its Python API's stream, edge-agent at the consumer of `Engine.generate` or at the "
-        "gRPC client. Prefill tok/s = prompt tokens / time to first token. Command: "
-        f"`{command}`.",
+        f"Measured on {res['machine']}, Python {res['python']}; every figure is the median "
+        "(min–max) of alternating rounds (the number is given per table: 3 where the differences "
+        "are far above the noise), each "
+        "contender in a fresh process, loaded once, warmed up with the same request, timed "
+        "where its tokens arrive: LiteRT-LM "
+        f"{res.get('litert_lm_version', '(not installed)')} at the consumer of its Python "
+        "API's stream, edge-agent at the consumer of `Engine.generate` or at the gRPC client. "
+        "Prefill tok/s = prompt tokens / time to first token.",
         "",
     ]
     if res["skipped"]:
@@ -756,15 +782,19 @@ def report(res: dict[str, Any], command: str) -> str:
         ("main", "Against LiteRT-LM and the bandwidth ceiling", md_main),
         ("windows", "KV windows: decode cost follows the used context", md_windows),
         ("continue", "Continuing a conversation", md_continue),
+        ("continue4096", "Continuing a 1,000-token conversation on the KV-4096 model", md_continue),
     )
     for key, title, md in sections:
         part = res.get(key)
         if not part:
             continue
         lines += [f"#### {title}", ""]
-        if part.get("date", res["date"]) != res["date"]:
-            lines += [f"(From the run of {part['date']}, {part['rounds']} rounds.)", ""]
-        lines += [*md(part), ""]
+        lines += [
+            f"Measured {part['date']}, {part['rounds']} rounds: `{part['command']}`.",
+            "",
+            *md(part),
+            "",
+        ]
     if res.get("plot"):
         lines += ["![decode speed](bench/peer.png)", ""]
     return "\n".join(lines).rstrip()
@@ -778,7 +808,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, action="append", help="default: 2 and 1")
-    ap.add_argument("--only", choices=("main", "windows", "continue"), action="append")
+    ap.add_argument("--only", choices=(*SECTIONS,), action="append")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument(
         "--report-only", action="store_true", help="rewrite the docs from docs/bench/peer.json"
@@ -787,11 +817,10 @@ def main() -> None:
     if a.report_only:
         saved = json.loads((ROOT / "docs" / "bench" / "peer.json").read_text())
         saved["plot"] = plot(saved, ROOT / "docs" / "bench" / "peer.png")
-        command = saved.get("command", "python scripts/bench_peer.py")
-        write_section("peer", saved, report(saved, command))
+        write_section("peer", saved, report(saved))
         return
     a.threads = a.threads or [2, 1]
-    parts = a.only or ["main", "windows", "continue"]
+    parts = a.only or list(SECTIONS)
     skipped: list[str] = []
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
@@ -804,23 +833,33 @@ def main() -> None:
         from importlib.metadata import version
 
         res["litert_lm_version"] = version("litert-lm-api")
-    runners = {"main": run_main, "windows": run_windows, "continue": run_continue}
+    Runner = Callable[[argparse.Namespace, list[str]], dict[str, Any] | None]
+    command = "python " + " ".join(["scripts/bench_peer.py", *sys.argv[1:]])
+    runners: dict[str, Runner] = {
+        "main": run_main,
+        "windows": run_windows,
+        "continue": run_continue,
+        "continue4096": functools.partial(
+            run_continue, section="continue4096", spec=WINDOW_MODEL, history=HISTORY_4096
+        ),
+    }
     saved_path = ROOT / "docs" / "bench" / "peer.json"
     saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}
     for section, run in runners.items():
         if section in parts:
             res[section] = run(a, skipped)
             if res[section]:
-                res[section].update(date=res["date"], rounds=a.rounds)
+                res[section].update(date=res["date"], command=command)
+                res[section].setdefault("rounds", a.rounds)
         elif saved.get(section):  # --only: keep the other sections of the last run, dated
             res[section] = saved[section]
             res[section].setdefault("date", saved["date"])
             res[section].setdefault("rounds", saved["rounds"])
+            res[section].setdefault("command", saved["command"])
     if res.get("main"):
         res["main"]["tokens"] = a.tokens
     for s in skipped:
         print("SKIPPED:", s)
-    command = "python " + " ".join(["scripts/bench_peer.py", *sys.argv[1:]])
     res["command"] = command
     print(json.dumps(res, indent=1, default=str)[:3000])
     if a.no_write:
@@ -828,7 +867,7 @@ def main() -> None:
     if not have("matplotlib"):
         skipped.append("the plot: matplotlib (bench extra) is missing")
     res["plot"] = plot(res, ROOT / "docs" / "bench" / "peer.png")
-    write_section("peer", json.loads(json.dumps(res, default=str)), report(res, command))
+    write_section("peer", json.loads(json.dumps(res, default=str)), report(res))
     print(
         "wrote docs/PERFORMANCE.md, docs/bench/peer.json" + (" and peer.png" if res["plot"] else "")
     )
