@@ -39,6 +39,12 @@ from agent.toolchain import tokenizer as tk  # noqa: E402
 from agent.toolchain.config import PRESETS, TINY_SPEC, DecoderSpec  # noqa: E402
 
 
+def default_prefill(windows: bool) -> tuple[int, ...]:
+    """Prefill lengths when none are given. With KV windows also 8: near the end of a window no
+    32-token call fits, and a turn there would run token by token (docs/PERFORMANCE.md)."""
+    return (8, 32, 128, 512) if windows else (32, 128, 512)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -60,7 +66,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     arch.add_argument("--seed", type=int, default=0)
     conv = ap.add_argument_group("conversion")
     conv.add_argument("--layout", choices=("default", "transposed"), default="transposed")
-    conv.add_argument("--prefill", type=int, action="append", help="prefill length (repeatable)")
+    conv.add_argument(
+        "--prefill",
+        type=int,
+        action="append",
+        help="prefill length (repeatable; default 32, 128, 512, and 8 too with --window)",
+    )
     conv.add_argument("--kv-max", type=int, default=1024)
     conv.add_argument("--mask-as-input", action="store_true")
     conv.add_argument(
@@ -126,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = spec_from_args(args)
     opts = ExportOptions(
         layout=args.layout,
-        prefill_lens=tuple(args.prefill or (32, 128, 512)),
+        prefill_lens=tuple(args.prefill or default_prefill(bool(args.window))),
         kv_max=args.kv_max,
         mask_as_input=args.mask_as_input,
         enable_hlfb=not args.no_composites,
