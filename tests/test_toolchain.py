@@ -117,6 +117,45 @@ def test_default_layout_several_prefills_with_mask(default_masked: Path) -> None
             assert ins[f"kv_cache_v_{i}"] == (1, 64, HEADS, HEAD_DIM)
 
 
+# The weights' digest, as code run both here and in a fresh interpreter.
+_DIGEST = """
+import hashlib
+from agent.toolchain.config import TINY_SPEC
+from agent.toolchain.export import build_torch_model
+
+def digest(seed):
+    h = hashlib.sha256()
+    state = build_torch_model(TINY_SPEC, kv_max=64, seed=seed).state_dict()
+    for name, p in sorted(state.items()):
+        h.update(name.encode())
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()
+"""
+
+
+def test_random_weights_are_the_same_in_a_fresh_process() -> None:
+    # A fresh interpreter imports litert-torch during its first build; the weights must not
+    # depend on that (a process pool's first model once came out different from the others).
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    fresh = subprocess.run(
+        [sys.executable, "-c", _DIGEST + "print(digest(0))"],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=300,
+    )
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    scope: dict[str, object] = {}
+    exec(_DIGEST, scope)  # here, where litert-torch was imported long ago
+    digest = scope["digest"]
+    assert callable(digest)
+    assert fresh.stdout.strip().splitlines()[-1] == digest(0)
+    assert digest(1) != digest(0)
+
+
 def test_float_tflite_matches_torch(transposed: Path) -> None:
     from agent.toolchain.perplexity import check_tflite_matches_torch
 

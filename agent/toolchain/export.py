@@ -128,10 +128,14 @@ def build_torch_model(
     """
     import torch
 
+    # Config and class first: their first use imports litert-torch modules, and an import
+    # that draws from torch's RNG after the seed would make a fresh process build other
+    # weights than one that had imported them already (seen: a process pool's first model).
+    mcfg = to_model_config(spec, enable_hlfb=enable_hlfb, kv_max=kv_max)
+    decoder = _decoder_class()
     if seed is not None:
         _seed_everything(seed)
-    mcfg = to_model_config(spec, enable_hlfb=enable_hlfb, kv_max=kv_max)
-    model = _decoder_class()(mcfg, mask_cache_size=0)
+    model = decoder(mcfg, mask_cache_size=0)
     if state_dict is None:
         # nn.Linear's default init gives near-uniform logits; a scaled normal init makes
         # random models produce distinguishable outputs (useful in tests).
