@@ -342,8 +342,9 @@ def test_composites_are_inlined_for_xnnpack(tiny_model_factory, dev_profile, tmp
     a = litert.load(path, dev_profile).runner  # no weight cache dir: loaded as it is
     b = litert.load(out, dev_profile).runner
     np.testing.assert_array_equal(_decode_all(a, PROMPT[:12]), _decode_all(b, PROMPT[:12]))
-    # a model without composites is left alone
+    # a model without composites is left alone: an unchanged copy
     assert inline_file(out, tmp_path / "again.tflite") == 0
+    assert (tmp_path / "again.tflite").read_bytes() == out.read_bytes()
 
 
 @NOT_LEGACY

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import mmap
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from agent.runtime.schema import schema
 log = logging.getLogger(__name__)
 
 _ALIGN = 4096  # the weight block moves by a multiple of this: buffer alignment is kept
+_CHUNK = 1 << 20  # bytes per read when the weights are copied
 
 
 def _ids(v: Any) -> list[int]:
@@ -72,12 +75,12 @@ def _inline_one(model: Any, sg: Any, op: Any) -> list[Any] | None:
     return ops
 
 
-def inline_model(data: bytes) -> tuple[bytes, int]:
-    """The model `data` with its composites inlined, and how many were; (data, 0) if none."""
-    model = schema.ModelT.InitFromPackedBuf(data, 0)
+def _inline(head: bytes) -> tuple[Any, int]:
+    """The model whose flatbuffer is `head`, with its composites inlined, and how many were."""
+    model = schema.ModelT.InitFromPackedBuf(head, 0)
     codes = _composite_code(model)
     if not codes:
-        return data, 0
+        return model, 0
     signature_subgraphs = {s.subgraphIndex for s in model.signatureDefs or []}
     inlined = 0
     dropped: set[int] = set()
@@ -103,15 +106,16 @@ def inline_model(data: bytes) -> tuple[bytes, int]:
     kept = len(model.subgraphs) - len(dropped)
     if dropped and min(dropped) >= kept:  # only trailing subgraphs go: no index changes
         model.subgraphs = model.subgraphs[:kept]
-    return _pack(model, data), inlined
+    return model, inlined
 
 
-def _pack(model: Any, data: bytes) -> bytes:
-    """Serialize `model`; buffers stored after the flatbuffer move with their bytes."""
+def _pack(model: Any, start: int) -> bytes:
+    """Serialize `model`, padded so that the weights stored after the old flatbuffer (from byte
+    `start` of the file, addressed by absolute offsets) can follow it unchanged: their offsets
+    are shifted by a multiple of `_ALIGN`, which keeps every buffer's alignment."""
     import flatbuffers
 
     outside = [b for b in model.buffers or [] if b.offset > 1]
-    start = min((b.offset for b in outside), default=len(data))
 
     def build() -> bytes:
         builder = flatbuffers.Builder(1024)
@@ -121,23 +125,42 @@ def _pack(model: Any, data: bytes) -> bytes:
     head = build()
     if not outside:
         return head
-    # offsets are absolute: shift them by a multiple of _ALIGN past the new flatbuffer (their
-    # uint64 fields are present either way, so the second build has the same size)
+    # the offsets' uint64 fields are present either way, so the second build has the same size
     shift = -(-(len(head) - start) // _ALIGN) * _ALIGN
     for b in outside:
         b.offset += shift
     head = build()
     if len(head) > start + shift:
         raise ModelFormatError("inlining composites: the rewritten graph overlaps the weights")
-    return head + b"\0" * (start + shift - len(head)) + data[start:]
+    return head + b"\0" * (start + shift - len(head))
+
+
+def _flatbuffer_end(view: mmap.mmap) -> int:
+    """Where a model file's flatbuffer ends: the first byte of the buffers a large model stores
+    after it (offset/size), else the file's length."""
+    root = schema.Model.GetRootAs(view, 0)
+    starts = (root.Buffers(i).Offset() for i in range(root.BuffersLength()))
+    return min((o for o in starts if o > 1), default=len(view))
 
 
 def inline_file(src: Path, dst: Path) -> int:
-    """Write `src` with its composites inlined to `dst` (atomically); how many were inlined."""
-    data = Path(src).read_bytes()
-    out, n = inline_model(data)
+    """Write `src` with its composites inlined to `dst` (atomically); how many were inlined.
+
+    Only the flatbuffer is read into memory and rebuilt; the weights after it are copied from
+    file to file in chunks, so a large model's first load does not hold it in memory twice.
+    """
     tmp = Path(dst).with_name(Path(dst).name + ".tmp")
-    tmp.write_bytes(out)
+    with open(src, "rb") as f:
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            start = _flatbuffer_end(view)
+        model, n = _inline(f.read(start))
+        with open(tmp, "wb") as out:
+            if n:
+                out.write(_pack(model, start))
+                f.seek(start)
+            else:
+                f.seek(0)  # nothing to inline: an unchanged copy
+            shutil.copyfileobj(f, out, _CHUNK)
     tmp.replace(dst)
     log.info("composites inlined: %d in %s -> %s", n, Path(src).name, dst)
     return n
