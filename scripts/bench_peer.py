@@ -19,6 +19,9 @@ Sections:
   1: decode tok/s (64-token prompt, 128 decoded), time to first token and prefill tok/s for
   64- and 448-token prompts, peak RSS; plus the roofline (measured read bandwidth, bytes read
   per decoded token, the fraction of the ceiling each engine reaches).
+* ``main-windows``: the same on the KV-1024 model exported with KV windows 256 and 512 as
+  well: one file for both engines; LiteRT-LM runs its full-length signatures, edge-agent the
+  smallest window that holds the request.
 * ``windows``: the same shape with KV 4096 and KV windows 256 and 1024 in the one file: decode
   tok/s by used context with the windows, without them (the single-length signatures of the
   same file), and LiteRT-LM; greedy tokens compared.
@@ -33,7 +36,7 @@ is missing is skipped and said so: the toolchain extra (to build the models), th
 extra (litert-lm-api, litert-lm-builder), the ``bench`` extra (matplotlib, for the plot).
 
     python scripts/bench_peer.py [--rounds 3] [--tokens 128] [--threads 2 --threads 1]
-                                 [--only main|windows|continue|continue4096]
+                                 [--only main|main-windows|windows|continue|continue4096]
                                  [--no-write] [--report-only]
 """
 
@@ -80,6 +83,18 @@ WINDOW_MODEL = (
         *("--prefill", "8", "--prefill", "32", "--prefill", "128", "--prefill", "512"),
     ],
 )
+# The main model exported with KV windows 256 and 512 as well (prefill 8/32/128/512 by
+# build_model's default with windows): the same weights, and for LiteRT-LM the same
+# `decode`/`prefill_<N>` signatures over 1024 rows; edge-agent runs a 64-token prompt and its
+# 128 tokens in the 256-row window and a 448-token prompt in the 512-row one.
+MAIN_WINDOWS_MODEL = (
+    MODELS / "smollm-kv1024w",
+    [
+        *SMOLLM,
+        *("--kv-max", "1024", "--window", "256", "--window", "512"),
+        *("--quant", "int8", "--quant", "int4_block32"),
+    ],
+)
 QUANTS = ("int8", "int4_block32")
 ENGINES = ("edge", "grpc", "litertlm")
 PROMPTS = (64, 448)
@@ -92,7 +107,7 @@ TURN = 16
 # On the KV-4096 model (windows 256/1024) the conversation is exactly 1,000 tokens: 999 of
 # prompt plus the answer's one; LiteRT-LM runs that file's full-length signatures.
 HISTORY_4096 = 999
-SECTIONS = ("main", "windows", "continue", "continue4096")
+SECTIONS = ("main", "main-windows", "windows", "continue", "continue4096")
 WINDOW_USED = (128, 1000, 3000)  # used context (prompt + decoded) for the windows section
 WINDOW_DECODE = 64
 
@@ -471,10 +486,28 @@ def collect(rows: list[dict[str, Any]], key: str) -> dict[str, float] | None:
     return med(xs) if xs else None
 
 
-def run_main(a: argparse.Namespace, skipped: list[str]) -> dict[str, Any] | None:
-    model = ensure_model(*MAIN_MODEL)
+def decode_rows(model_dir: Path, quant: str, used: int) -> int:
+    """The KV rows edge-agent's decode attends over with `used` rows in use: the smallest KV
+    window that holds them, or the full length of a file without windows."""
+    from agent.modeldir import load_model_dir
+    from agent.runtime.layout import discover_layout
+    from agent.runtime.modelfile import read_model_file
+
+    meta = load_model_dir(model_dir)
+    variant = next(v for v in meta.variants if v.quantization == quant)
+    layout = discover_layout(read_model_file(meta.path_of(variant)))
+    return layout.all_windows()[layout.window_for(used)].length
+
+
+def run_main(
+    a: argparse.Namespace,
+    skipped: list[str],
+    section: str = "main",
+    spec: tuple[Path, list[str]] = MAIN_MODEL,
+) -> dict[str, Any] | None:
+    model = ensure_model(*spec)
     if model is None:
-        skipped.append("main: no model (toolchain extra missing)")
+        skipped.append(f"{section}: no model (toolchain extra missing)")
         return None
     engines = [e for e in ENGINES if e != "litertlm"]
     bundles = {q: pack_litertlm(model, q) for q in QUANTS}
@@ -486,6 +519,9 @@ def run_main(a: argparse.Namespace, skipped: list[str]) -> dict[str, Any] | None
     out: dict[str, Any] = {"model": model.name, "bandwidth_gb_s": bw, "cells": []}
     for q in QUANTS:
         bpt = bytes_per_token(model, q, 1024)
+        rows = decode_rows(model, q, 64 + a.tokens)
+        out["edge_kv_rows"] = rows
+        edge_bpt = bytes_per_token(model, q, rows)
         for t in a.threads:
             runs: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
             for r in range(a.rounds):
@@ -504,14 +540,18 @@ def run_main(a: argparse.Namespace, skipped: list[str]) -> dict[str, Any] | None
             cell: dict[str, Any] = {"quant": q, "threads": t, "bytes_per_token": bpt}
             ceiling = bw[t] * 1e9 / bpt["total"]
             cell["ceiling_tok_s"] = ceiling
-            for e, rows in runs.items():
+            if edge_bpt != bpt:  # edge-agent decodes in a KV window: it reads fewer bytes
+                cell["edge_bytes_per_token"] = edge_bpt
+                cell["edge_ceiling_tok_s"] = bw[t] * 1e9 / edge_bpt["total"]
+            for e, results in runs.items():
                 stats: dict[str, Any] = {"rounds": {}}
                 for k in MAIN_KEYS:
-                    got = collect(rows, k)
+                    got = collect(results, k)
                     if got is not None:
                         stats[k] = got
-                        stats["rounds"][k] = [row[k] for row in rows]
-                stats["of_ceiling"] = stats["decode_tok_s"]["median"] / ceiling
+                        stats["rounds"][k] = [row[k] for row in results]
+                own = cell.get("edge_ceiling_tok_s", ceiling) if e != "litertlm" else ceiling
+                stats["of_ceiling"] = stats["decode_tok_s"]["median"] / own
                 cell[e] = stats
             out["cells"].append(cell)
     return out
@@ -609,9 +649,17 @@ NAMES = {"edge": "edge-agent in-process", "grpc": "edge-agent via gRPC", "litert
 
 def md_main(m: dict[str, Any]) -> list[str]:
     bw = ", ".join(f"{t} thread(s) {v:.1f} GB/s" for t, v in m["bandwidth_gb_s"].items())
+    rows = m.get("edge_kv_rows")
+    windows = (
+        f" with KV windows 256 and 512 in the same file: LiteRT-LM runs its `decode` and "
+        f"`prefill_<N>` signatures over 1024 rows, edge-agent decodes in the {rows}-row window "
+        "and prefills a 448-token prompt in the 512-row one"
+        if rows and rows < 1024
+        else ""
+    )
     lines = [
-        f"Model `{m['model']}` (SmolLM-135M shape, random weights, KV 1024). Measured read "
-        f"bandwidth: {bw}. Decode: 64-token prompt, {m.get('tokens', 128)} tokens, greedy.",
+        f"Model `{m['model']}` (SmolLM-135M shape, random weights, KV 1024){windows}. Measured "
+        f"read bandwidth: {bw}. Decode: 64-token prompt, {m.get('tokens', 128)} tokens, greedy.",
         "",
         "| quant | threads | engine | decode tok/s | of ceiling | TTFT 64 (ms) | TTFT 448 (ms) "
         "| prefill 448 tok/s | peak RSS MiB |",
@@ -647,6 +695,14 @@ def md_main(m: dict[str, Any]) -> list[str]:
     for c in m["cells"]:
         b = c["bytes_per_token"]
         e, g, p = c["edge"], c["grpc"], c.get("litertlm")
+        read = f"{b['total'] / 1e6:.1f} MB ({b['weights'] / 1e6:.1f} + {b['kv'] / 1e6:.1f})"
+        ceiling = f"{c['ceiling_tok_s']:.0f}"
+        if "edge_bytes_per_token" in c:
+            eb = c["edge_bytes_per_token"]
+            read = (
+                f"edge-agent {eb['total'] / 1e6:.1f} MB (KV {eb['kv'] / 1e6:.1f}), LiteRT-LM {read}"
+            )
+            ceiling = f"edge-agent {c['edge_ceiling_tok_s']:.0f}, LiteRT-LM {ceiling}"
 
         def ratio(x: dict[str, Any], y: dict[str, Any] | None, k: str) -> str:
             if not y or k not in y:
@@ -657,8 +713,7 @@ def md_main(m: dict[str, Any]) -> list[str]:
             return fmt(med([a / b for a, b in zip(xs, ys, strict=True)]), 2).replace(" (", "x (")
 
         lines.append(
-            f"| {c['quant']} | {c['threads']} | {b['total'] / 1e6:.1f} MB "
-            f"({b['weights'] / 1e6:.1f} + {b['kv'] / 1e6:.1f}) | {c['ceiling_tok_s']:.0f} | "
+            f"| {c['quant']} | {c['threads']} | {read} | {ceiling} | "
             f"{ratio(e, p, 'decode_tok_s')} | {ratio(g, e, 'decode_tok_s')} | "
             f"{ratio(e, p, 'ttft64_ms')} | {ratio(e, p, 'ttft448_ms')} | "
             f"{ratio(e, p, 'peak_rss_mib')} |"
@@ -719,10 +774,12 @@ def plot(res: dict[str, Any], path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    m = res.get("main")
-    if m:
-        ax = axes[0]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
+    titles = {"main": "single-length file", "main-windows": "the same with KV windows"}
+    for ax, (key, title) in zip(axes, titles.items(), strict=False):
+        m = res.get(key)
+        if not m:
+            continue
         labels = []
         for x, c in enumerate(m["cells"]):
             for i, e in enumerate(ENGINES):
@@ -737,15 +794,16 @@ def plot(res: dict[str, Any], path: Path) -> bool:
                         color=f"C{i}",
                         label=NAMES[e] if x == 0 else None,
                     )
-            ax.hlines(c["ceiling_tok_s"], x - 0.15, x + 0.7, colors="k", linestyles="dotted")
+            ceiling = c.get("edge_ceiling_tok_s", c["ceiling_tok_s"])
+            ax.hlines(ceiling, x - 0.15, x + 0.7, colors="k", linestyles="dotted")
             labels.append(f"{c['quant']}\n{c['threads']}t")
         ax.set_xticks([i + 0.27 for i in range(len(labels))], labels)
         ax.set_ylabel("decode tokens/s")
-        ax.set_title("decode speed (dotted: bandwidth ceiling)")
+        ax.set_title(f"decode, KV 1024, {title}\n(dotted: edge-agent's bandwidth ceiling)")
         ax.legend(fontsize=8)
     w = res.get("windows")
     if w:
-        ax = axes[1]
+        ax = axes[2]
         used = [p["used"] for p in w["points"]]
         for i, k in enumerate(("windows", "single", "litertlm")):
             ys = [p[k]["decode_tok_s"]["median"] for p in w["points"] if k in p]
@@ -780,6 +838,7 @@ def report(res: dict[str, Any]) -> str:
         lines += ["Skipped: " + "; ".join(res["skipped"]) + ".", ""]
     sections = (
         ("main", "Against LiteRT-LM and the bandwidth ceiling", md_main),
+        ("main-windows", "The same, on the file with KV windows", md_main),
         ("windows", "KV windows: decode cost follows the used context", md_windows),
         ("continue", "Continuing a conversation", md_continue),
         ("continue4096", "Continuing a 1,000-token conversation on the KV-4096 model", md_continue),
@@ -837,6 +896,9 @@ def main() -> None:
     command = "python " + " ".join(["scripts/bench_peer.py", *sys.argv[1:]])
     runners: dict[str, Runner] = {
         "main": run_main,
+        "main-windows": functools.partial(
+            run_main, section="main-windows", spec=MAIN_WINDOWS_MODEL
+        ),
         "windows": run_windows,
         "continue": run_continue,
         "continue4096": functools.partial(
