@@ -213,21 +213,35 @@ def read_bandwidth(threads: int, mib: int = 1024, repeats: int = 5) -> float:
     return best
 
 
-def bytes_per_token(model_dir: Path, quant: str, kv_rows: int) -> dict[str, float]:
-    """What one decode step reads: every weight except the embedding table (one row of it is
-    looked up) plus the K and V of every layer over the KV length the step attends over."""
+def read_variant(model_dir: Path, quant: str) -> Any:
+    """The parsed `.tflite` of one variant of a model directory (a `ModelFile`)."""
     from agent.modeldir import load_model_dir
-    from agent.runtime.layout import discover_layout
     from agent.runtime.modelfile import read_model_file
 
     meta = load_model_dir(model_dir)
     variant = next(v for v in meta.variants if v.quantization == quant)
-    model = read_model_file(meta.path_of(variant))
+    return read_model_file(meta.path_of(variant))
+
+
+def bytes_per_token(model: Any, kv_rows: int) -> dict[str, float]:
+    """What one decode step reads: every weight except the embedding table (one row of it is
+    looked up) plus the K and V of every layer over the KV length the step attends over."""
+    from agent.runtime.layout import discover_layout
+
     weights = sum(
         b for op, _kind, _n, b in model.weights if op not in ("EMBEDDING_LOOKUP", "GATHER")
     )
     kv = discover_layout(model).kv.bytes_per_token * kv_rows
     return {"weights": weights, "kv": kv, "total": weights + kv}
+
+
+def decode_rows(model: Any, used: int) -> int:
+    """The KV rows edge-agent's decode attends over with `used` rows in use: the smallest KV
+    window that holds them, or the full length of a file without windows."""
+    from agent.runtime.layout import discover_layout
+
+    layout = discover_layout(model)
+    return int(layout.all_windows()[layout.window_for(used)].length)
 
 
 # ----------------------------------------------------------------------------- workers
@@ -486,19 +500,6 @@ def collect(rows: list[dict[str, Any]], key: str) -> dict[str, float] | None:
     return med(xs) if xs else None
 
 
-def decode_rows(model_dir: Path, quant: str, used: int) -> int:
-    """The KV rows edge-agent's decode attends over with `used` rows in use: the smallest KV
-    window that holds them, or the full length of a file without windows."""
-    from agent.modeldir import load_model_dir
-    from agent.runtime.layout import discover_layout
-    from agent.runtime.modelfile import read_model_file
-
-    meta = load_model_dir(model_dir)
-    variant = next(v for v in meta.variants if v.quantization == quant)
-    layout = discover_layout(read_model_file(meta.path_of(variant)))
-    return layout.all_windows()[layout.window_for(used)].length
-
-
 def run_main(
     a: argparse.Namespace,
     skipped: list[str],
@@ -518,10 +519,11 @@ def run_main(
     bw = {t: read_bandwidth(t) for t in a.threads}
     out: dict[str, Any] = {"model": model.name, "bandwidth_gb_s": bw, "cells": []}
     for q in QUANTS:
-        bpt = bytes_per_token(model, q, 1024)
-        rows = decode_rows(model, q, 64 + a.tokens)
+        parsed = read_variant(model, q)
+        bpt = bytes_per_token(parsed, 1024)
+        rows = decode_rows(parsed, 64 + a.tokens)
         out["edge_kv_rows"] = rows
-        edge_bpt = bytes_per_token(model, q, rows)
+        edge_bpt = bytes_per_token(parsed, rows)
         for t in a.threads:
             runs: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
             for r in range(a.rounds):
