@@ -107,6 +107,22 @@ def test_saved_rows_restore_into_the_smallest_window(windowed, dev_profile) -> N
     assert long.nbytes == kv_bytes(16)
 
 
+def test_new_and_moved_caches_hold_zeros_past_their_rows(windowed, dev_profile) -> None:
+    """Fresh KV buffers are not zeroed by LiteRT, and a NaN in a masked row would still poison
+    attention (0 x NaN): every row a cache has not written reads zero, in every window."""
+    win = litert.load(windowed, dev_profile).runner
+    kv = win.new_kv()
+    assert all(not a.any() for a in win.read_rows(kv, 16).values())
+    win.prefill(kv, PROMPT[:10], 0)  # rows 0..9 in window 16
+    before = win.read_rows(kv, 10)
+    win.reserve(kv, 40, 10)  # to the full length, keeping the 10 rows
+    assert kv.nbytes == kv_bytes(64)
+    after, tail = win.read_rows(kv, 10), win.read_rows(kv, 64)
+    for name, rows in before.items():
+        np.testing.assert_array_equal(after[name], rows)
+        assert np.count_nonzero(tail[name]) == np.count_nonzero(rows)  # the rest is zero
+
+
 def test_the_interpreter_path_runs_only_the_full_length(windowed, dev_profile) -> None:
     loaded = litert.load(windowed, dev_profile, prefer_interpreter=True)
     assert loaded.runner.layout.windows == ()

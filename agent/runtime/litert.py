@@ -346,12 +346,16 @@ class _CompiledRunner(_RunnerBase[_BoundKV]):
         )
 
     def _buffers(self, window: Window) -> dict[str, Any]:
+        # Fresh buffers are not zeroed: a NaN in a masked row would still poison attention.
+        # One zero array per shape, not per buffer: its pages are touched once, not 60 times.
+        zeros = {
+            "k": np.zeros(window.kv.k_shape, dtype=np.float32),
+            "v": np.zeros(window.kv.v_shape, dtype=np.float32),
+        }
         buffers = {}
         for name in window.kv.names():
             buf = self._model.create_input_buffer_by_name(window.decode.key, name)
-            shape = window.kv.k_shape if "_k_" in name else window.kv.v_shape
-            # Fresh buffers are not zeroed: a NaN in a masked row would still poison attention.
-            buf.write(np.zeros(shape, dtype=np.float32))
+            buf.write(zeros["k" if "_k_" in name else "v"])
             buffers[name] = buf
         return buffers
 
