@@ -95,6 +95,7 @@ RUNTIME_KEYS: Final = (
     "max_num_bytes",
     "require_fused",
     "xnnpack_weight_cache_dir",
+    "kv_windows",
 )
 NPU_KEYS: Final = ("kind", "library", "options")
 MODEL_KEYS: Final = ("quantization", "path")
@@ -134,6 +135,8 @@ class RuntimeConfig:
     max_num_bytes: int
     require_fused: bool
     xnnpack_weight_cache_dir: Path | None
+    # give a single-length model KV windows at load (agent/runtime/windows.py)
+    kv_windows: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +284,7 @@ def _parse_runtime(t: _Table) -> RuntimeConfig:
         max_num_bytes=t.size("max_num_bytes", MIN_MAX_NUM_BYTES, MAX_MAX_NUM_BYTES),
         require_fused=t.flag("require_fused"),
         xnnpack_weight_cache_dir=t.absolute_path("xnnpack_weight_cache_dir"),
+        kv_windows=t.flag("kv_windows", True),
     )
 
 
@@ -964,6 +968,7 @@ def describe(profile: DeviceProfile) -> str:
         row("arena growth", r.arena_extend_strategy),
         row("require fused ops", "yes" if r.require_fused else "no"),
         row("xnnpack weight cache", r.xnnpack_weight_cache_dir or "-"),
+        row("KV windows at load", "yes" if r.kv_windows else "no"),
     ]
     if profile.npu is not None:
         opts = ", ".join(f"{k}={v}" for k, v in profile.npu.options_as_strings().items())

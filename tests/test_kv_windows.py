@@ -3,13 +3,16 @@ session, with the rows moved up when it grows (CompiledModel path)."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
 from agent.engine.engine import Engine
 from agent.engine.sampler import SamplingParams
 from agent.engine.types import GenerateRequest
-from agent.runtime import litert
+from agent.runtime import litert, windows
+from agent.runtime.inline import prepare_file
 from agent.runtime.layout import discover_layout
 from agent.runtime.modelfile import read_model_file
 from agent.toolchain.export import ExportOptions
@@ -165,3 +168,87 @@ def test_sessions_that_grow_across_windows_match_the_full_length(engines) -> Non
         return out
 
     assert conversation(win) == conversation(full)
+
+
+# ------------------------------------------------------------------ windows added at load
+
+
+def test_windows_added_to_a_file_match_the_exported_ones(
+    tiny_model_factory, windowed, dev_profile, tmp_path
+) -> None:
+    """The rewrite (`agent.runtime.windows`) makes from a single-length file what the converter
+    exports with windows: the same signatures and KV shapes, and the same logits (both files
+    hold the same weights: seed 0)."""
+    single = tiny_model_factory(prefill_lens=(8,), kv_max=64)
+    out = tmp_path / "prepared.tflite"
+    done = prepare_file(single, out, WINDOWS, 64)
+    assert done.windows == WINDOWS and done.refused is None
+    made, exported = (discover_layout(read_model_file(p)) for p in (out, windowed))
+    assert made.all_windows() == exported.all_windows()
+    got, sizes, _ = _greedy(litert.load(out, dev_profile).runner, PROMPT[:6], 40)
+    want, want_sizes, _ = _greedy(litert.load(windowed, dev_profile).runner, PROMPT[:6], 40)
+    assert sizes == want_sizes and set(sizes) == {kv_bytes(16), kv_bytes(32), kv_bytes(64)}
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_load_gives_a_single_length_model_windows_that_decode_the_same(
+    tiny_model_factory, make_profile, tmp_path, caplog
+) -> None:
+    path = tiny_model_factory(prefill_lens=(8, 32), kv_max=512, quantization="int8")
+    cache = tmp_path / "xnnpack"
+    profile = make_profile(runtime={"xnnpack_weight_cache_dir": str(cache)})
+    with caplog.at_level(logging.INFO, logger="agent.runtime"):
+        loaded = litert.load(path, profile, cache_key="d" * 64)
+    layout = loaded.runner.layout
+    assert [w.length for w in layout.all_windows()] == [256, 512]
+    assert [s.key for s in layout.windows[0].signatures] == [
+        "kv256_prefill_8",
+        "kv256_prefill_32",
+        "kv256_decode",
+    ]
+    assert "KV windows [256] added and checked" in caplog.text
+    made = cache / f"{'d' * 64}.inlined-kv256.tflite"
+    assert made.exists()
+    # a later load runs the same copy without rewriting or checking it again
+    caplog.clear()
+    mtime = made.stat().st_mtime_ns
+    with caplog.at_level(logging.INFO, logger="agent.runtime"):
+        again = litert.load(path, profile, cache_key="d" * 64).runner
+    assert len(again.layout.windows) == 1 and made.stat().st_mtime_ns == mtime
+    assert "model prepared" not in caplog.text and "checked" not in caplog.text
+    got, sizes, _ = _greedy(again, PROMPT, 300)
+    full = litert.load(path, make_profile(), kv_windows=False).runner
+    want, want_sizes, _ = _greedy(full, PROMPT, 300)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert [int(np.argmax(x)) for x in got] == [int(np.argmax(x)) for x in want]
+    per_row = want_sizes[0] // 512
+    assert sizes[255 - 19] == 256 * per_row and sizes[256 - 19] == 512 * per_row
+    # the profile can turn them off
+    off = make_profile(runtime={"xnnpack_weight_cache_dir": str(cache), "kv_windows": False})
+    assert litert.load(path, off, cache_key="d" * 64).runner.layout.windows == ()
+
+
+def test_windows_are_refused_or_dropped_where_the_kv_length_is_ambiguous(
+    tiny_model_factory, make_profile, tmp_path, monkeypatch, caplog
+) -> None:
+    """The tiny model's hidden size is 128. At a KV length of 128 an int8 model's quantized
+    weights have that dimension too: the rewrite refuses. A float model's weights are cut like
+    positional tables and make a wrong graph: the check at load finds it, and the model runs
+    its full length only, with the same tokens."""
+    monkeypatch.setattr(windows, "SMALLEST_WINDOW", 32)  # so that KV 128 gets windows 32, 64
+    assert windows.auto_windows(128) == (32, 64)
+    int8 = tiny_model_factory(prefill_lens=(8,), kv_max=128, quantization="int8")
+    done = prepare_file(int8, tmp_path / "int8.tflite", (32, 64), 128)
+    assert done.windows == () and done.refused is not None
+    assert "weight" in done.refused and "equal to the KV length 128" in done.refused
+    fp32 = tiny_model_factory(prefill_lens=(8,), kv_max=128)
+    cache = tmp_path / "xnnpack"
+    profile = make_profile(runtime={"xnnpack_weight_cache_dir": str(cache)})
+    with caplog.at_level(logging.INFO, logger="agent.runtime"):
+        loaded = litert.load(fp32, profile, cache_key="e" * 64)
+    assert loaded.runner.layout.windows == ()
+    assert "KV windows not used" in caplog.text
+    assert not list(cache.glob("*kv32-64.tflite"))  # dropped: the next load tries again
+    want, _, _ = _greedy(litert.load(fp32, make_profile(), kv_windows=False).runner, PROMPT, 60)
+    got, _, _ = _greedy(loaded.runner, PROMPT, 60)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

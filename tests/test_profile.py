@@ -288,6 +288,13 @@ BAD_PROFILES: list[tuple[str, Callable[[dict[str, Any]], None], str, object, str
         "true or false",
     ),
     (
+        "kv-windows-type",
+        _set("runtime", "kv_windows", 1),
+        "runtime.kv_windows",
+        1,
+        "true or false",
+    ),
+    (
         "accel-enum",
         _set("runtime", "accelerators", ["tpu", "cpu"]),
         "runtime.accelerators[0]",

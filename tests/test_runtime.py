@@ -298,13 +298,16 @@ def test_xnnpack_weight_cache_file_is_written_reused_and_pruned(
     cache_dir.mkdir()
     stale = cache_dir / f"{'0' * 64}{litert.WEIGHT_CACHE_SUFFIX}"
     stale.write_bytes(b"packed weights of a model that was replaced")
+    theirs = cache_dir / "model.tflite"  # not named like the runtime's files: never removed
+    theirs.write_bytes(b"someone else's file")
     want = _decode_all(litert.load(path, make_profile()).runner, PROMPT[:6])
 
     first = litert.load(path, profile, cache_key="a" * 64)
     # the fused model runs with its composites inlined: that file has its own packed weights
     cache = cache_dir / f"{'a' * 64}.inlined{litert.WEIGHT_CACHE_SUFFIX}"
-    inlined = cache_dir / f"{'a' * 64}{litert.INLINED_SUFFIX}"
-    assert sorted(p.name for p in cache_dir.iterdir()) == sorted([cache.name, inlined.name])
+    inlined = cache_dir / f"{'a' * 64}.inlined{litert.MODEL_SUFFIX}"
+    names = sorted(p.name for p in cache_dir.iterdir())
+    assert names == sorted([cache.name, inlined.name, theirs.name])
     written = cache.stat()
     assert written.st_size > 0
     np.testing.assert_allclose(_decode_all(first.runner, PROMPT[:6]), want, rtol=1e-4, atol=1e-4)
@@ -314,7 +317,7 @@ def test_xnnpack_weight_cache_file_is_written_reused_and_pruned(
     np.testing.assert_allclose(_decode_all(second.runner, PROMPT[:6]), want, rtol=1e-4, atol=1e-4)
     # another model's files are pruned, the inlined copy included
     other = litert.load(path, profile, cache_key="b" * 64)
-    assert not cache.exists() and not inlined.exists()
+    assert not cache.exists() and not inlined.exists() and theirs.exists()
     assert other.accelerator == "xnnpack"
 
 
@@ -322,7 +325,7 @@ def test_xnnpack_weight_cache_file_is_written_reused_and_pruned(
 def test_composites_are_inlined_for_xnnpack(tiny_model_factory, dev_profile, tmp_path) -> None:
     """Every STABLEHLO_COMPOSITE op is replaced by its decomposition: the same signatures and
     weights, no composite left, and the same logits."""
-    from agent.runtime.inline import inline_file
+    from agent.runtime.inline import prepare_file
 
     path = tiny_model_factory(
         layout="transposed", prefill_lens=(8, 16), kv_max=64, quantization="int8"
@@ -330,7 +333,7 @@ def test_composites_are_inlined_for_xnnpack(tiny_model_factory, dev_profile, tmp
     fused = read_model_file(path)
     assert fused.fused
     out = tmp_path / "inlined.tflite"
-    assert inline_file(path, out) >= 3  # rms_norm composites in each of the 3 signatures
+    assert prepare_file(path, out).inlined >= 3  # rms_norm composites in each of 3 signatures
     flat = read_model_file(out)
     assert not flat.fused
     assert [s.key for s in flat.signatures] == [s.key for s in fused.signatures]
@@ -342,9 +345,9 @@ def test_composites_are_inlined_for_xnnpack(tiny_model_factory, dev_profile, tmp
     a = litert.load(path, dev_profile).runner  # no weight cache dir: loaded as it is
     b = litert.load(out, dev_profile).runner
     np.testing.assert_array_equal(_decode_all(a, PROMPT[:12]), _decode_all(b, PROMPT[:12]))
-    # a model without composites is left alone: an unchanged copy
-    assert inline_file(out, tmp_path / "again.tflite") == 0
-    assert (tmp_path / "again.tflite").read_bytes() == out.read_bytes()
+    # a model without composites (and no KV windows asked for) is left alone: nothing written
+    again = prepare_file(out, tmp_path / "again.tflite")
+    assert not again.changed and not (tmp_path / "again.tflite").exists()
 
 
 @NOT_LEGACY
@@ -370,5 +373,10 @@ def test_no_working_accelerator_is_an_error(tiny_model_factory, make_profile) ->
     assert litert.load(path, profile).accelerator == "cpu"
     with pytest.raises(AcceleratorError):
         litert._open(
-            path, discover_layout(read_model_file(path)), profile, "npu", 2, False, None, False
+            path,
+            discover_layout(read_model_file(path)),
+            profile,
+            "npu",
+            False,
+            litert.PreparedModel(path, None),
         )

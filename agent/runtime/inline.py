@@ -1,4 +1,5 @@
-"""Inline a model's ``STABLEHLO_COMPOSITE`` ops into the graphs that call them.
+"""Prepare a model file for XNNPACK: inline its ``STABLEHLO_COMPOSITE`` ops into the graphs
+that call them, and add KV windows (`agent.runtime.windows`).
 
 A fused export wraps small patterns in composites (``odml.rms_norm``: 61 of them in a
 SmolLM-shaped decode graph) that keep their decomposition in a subgraph. XNNPACK cannot take
@@ -17,8 +18,9 @@ import copy
 import logging
 import mmap
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from agent.errors import ModelFormatError
 from agent.runtime.schema import schema
@@ -109,30 +111,33 @@ def _inline(head: bytes) -> tuple[Any, int]:
     return model, inlined
 
 
-def _pack(model: Any, start: int) -> bytes:
-    """Serialize `model`, padded so that the weights stored after the old flatbuffer (from byte
-    `start` of the file, addressed by absolute offsets) can follow it unchanged: their offsets
-    are shifted by a multiple of `_ALIGN`, which keeps every buffer's alignment."""
+def _write_packed(model: Any, start: int, out: BinaryIO) -> None:
+    """Serialize `model` to `out`, padded so that the weights stored after the old flatbuffer
+    (from byte `start` of the file, addressed by absolute offsets) can follow it unchanged:
+    their offsets are shifted by a multiple of `_ALIGN`, which keeps every buffer's alignment.
+    The builder's bytes are written as they are, not copied (a graph with KV windows added is
+    ~36 MB for the SmolLM-shaped model)."""
     import flatbuffers
 
     outside = [b for b in model.buffers or [] if b.offset > 1]
 
-    def build() -> bytes:
+    def build() -> memoryview:
         builder = flatbuffers.Builder(1024)
         builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
-        return bytes(builder.Output())
+        return memoryview(builder.Bytes)[builder.Head() :]
 
-    head = build()
     if not outside:
-        return head
+        out.write(build())
+        return
     # the offsets' uint64 fields are present either way, so the second build has the same size
-    shift = -(-(len(head) - start) // _ALIGN) * _ALIGN
+    shift = -(-(len(build()) - start) // _ALIGN) * _ALIGN
     for b in outside:
         b.offset += shift
     head = build()
     if len(head) > start + shift:
-        raise ModelFormatError("inlining composites: the rewritten graph overlaps the weights")
-    return head + b"\0" * (start + shift - len(head))
+        raise ModelFormatError("rewriting the graph: it would overlap the weights")
+    out.write(head)
+    out.write(b"\0" * (start + shift - len(head)))
 
 
 def _flatbuffer_end(view: mmap.mmap) -> int:
@@ -143,24 +148,56 @@ def _flatbuffer_end(view: mmap.mmap) -> int:
     return min((o for o in starts if o > 1), default=len(view))
 
 
-def inline_file(src: Path, dst: Path) -> int:
-    """Write `src` with its composites inlined to `dst` (atomically); how many were inlined.
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """What `prepare_file` changed."""
+
+    inlined: int  # composites inlined
+    windows: tuple[int, ...]  # KV windows added (`agent.runtime.windows`)
+    refused: str | None = None  # why windows that were asked for were not added
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.inlined or self.windows)
+
+
+def prepare_file(
+    src: Path, dst: Path, windows: tuple[int, ...] = (), kv_length: int = 0
+) -> Prepared:
+    """Write `src` with its composites inlined and KV windows `windows` added (for a KV length
+    of `kv_length`) to `dst`, atomically; nothing is written when nothing changes.
 
     Only the flatbuffer is read into memory and rebuilt; the weights after it are copied from
     file to file in chunks, so a large model's first load does not hold it in memory twice.
     """
-    tmp = Path(dst).with_name(Path(dst).name + ".tmp")
-    with open(src, "rb") as f:
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
-            start = _flatbuffer_end(view)
-        model, n = _inline(f.read(start))
-        with open(tmp, "wb") as out:
-            if n:
-                out.write(_pack(model, start))
+    from agent.runtime.windows import WindowsRefused, add_windows
+
+    with open(src, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+        start = _flatbuffer_end(view)
+        model, n = _inline(bytes(view[:start]))
+        refused = None
+
+        def read(offset: int, size: int) -> bytes:
+            return bytes(view[offset : offset + size])
+
+        try:
+            added = add_windows(model, kv_length, windows, read) if windows else ()
+        except WindowsRefused as exc:
+            added, refused = (), str(exc)
+            log.warning("KV windows not added to %s: %s", Path(src).name, exc)
+        done = Prepared(n, added, refused)
+        if done.changed:
+            tmp = Path(dst).with_name(Path(dst).name + ".tmp")
+            with open(tmp, "wb") as out:
+                _write_packed(model, start, out)
                 f.seek(start)
-            else:
-                f.seek(0)  # nothing to inline: an unchanged copy
-            shutil.copyfileobj(f, out, _CHUNK)
-    tmp.replace(dst)
-    log.info("composites inlined: %d in %s -> %s", n, Path(src).name, dst)
-    return n
+                shutil.copyfileobj(f, out, _CHUNK)
+            tmp.replace(dst)
+    log.info(
+        "model prepared: %d composites inlined, KV windows %s in %s -> %s",
+        n,
+        list(added) or "none",
+        Path(src).name,
+        dst if done.changed else "(unchanged)",
+    )
+    return done

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -178,6 +179,9 @@ class _RunnerBase(Generic[_K]):
             raise TypeError(f"KV cache {type(kv).__name__} does not belong to this runner")
         return kv
 
+    def new_kv(self) -> _K:
+        raise NotImplementedError
+
     def _window(self, kv: _K) -> Window:
         """The KV window a cache is in now."""
         return self.layout.full
@@ -259,6 +263,45 @@ class _RunnerBase(Generic[_K]):
         for call in plan_prefill(self._window(own), len(tokens), start):
             chunk = tokens[call.offset : call.offset + call.count]
             self._run(call.signature, own, chunk, start + call.offset)
+
+    def check_windows(self, tolerance: float = 1e-3) -> str | None:
+        """Run every signature of each KV window, then one decode step, on the same tokens as
+        the full length's signature of the same length; the first failure, or difference in
+        the logits beyond `tolerance` (relative to the largest logit), as text, or None.
+        Measured on the SmolLM-shaped int8 and int4 files: the logits are bit-identical."""
+        windows = self.layout.all_windows()
+        top = len(windows) - 1
+        longest = max((p.length for w in windows[:-1] for p in w.prefill), default=0)
+        tokens = [(7919 * i + 11) % self.layout.vocab_size for i in range(longest + 1)]
+
+        def logits(index: int, n: int) -> Logits:
+            """Prefill `n` tokens with window `index`'s signature of that length, then decode."""
+            window = windows[index]
+            kv = self.new_kv()
+            if self._window(kv).length != window.length:
+                self._switch(kv, index, 0)
+            if n:
+                self._run(next(p for p in window.prefill if p.length == n), kv, tokens[:n], 0)
+            self._run(window.decode, kv, [tokens[n]], n)
+            return self._logits(window.decode).copy()
+
+        want: dict[int, Logits] = {}
+        for index, window in enumerate(windows[:-1]):
+            for n in (0, *(p.length for p in window.prefill)):
+                if n not in want:
+                    want[n] = logits(top, n)
+                try:
+                    got = logits(index, n)
+                except RuntimeFailure as exc:
+                    return f"window kv{window.length} after {n} prefilled tokens: {exc}"
+                scale = max(1.0, float(np.max(np.abs(want[n]))))
+                err = float(np.max(np.abs(got - want[n])))
+                if not err <= tolerance * scale:  # NaN fails too
+                    return (
+                        f"window kv{window.length} after {n} prefilled tokens: logits differ "
+                        f"from the full length by {err:.3g} (largest logit {scale:.3g})"
+                    )
+        return None
 
     def decode(self, kv: KVCache, token: int, pos: int) -> Logits:
         own = self._own(kv)
@@ -621,32 +664,123 @@ def load(
         prefer_interpreter = True  # tflite-runtime has no CompiledModel
     plan = plan_memory(model, layout, profile)
     check_budget(plan, profile, path)
-    threads = profile.runtime.num_threads
-    fallbacks: list[str] = []
     chain = list(profile.runtime.accelerators)
+    prepared, cpu = _prepare(
+        path, model, layout, plan, profile, cache_key, chain, kv_windows, prefer_interpreter
+    )
+    fallbacks: list[str] = []
     for i, acc in enumerate(chain):
         nxt = chain[i + 1] if i + 1 < len(chain) else "nothing"
+        use_layout, use_plan = (layout, plan) if acc == "npu" else cpu
         try:
-            runner, kind = _open(
-                path, layout, profile, acc, threads, prefer_interpreter, cache_key, model.fused
-            )
+            try:
+                runner, kind = _open(path, use_layout, profile, acc, prefer_interpreter, prepared)
+            except (OSError, RuntimeError, ValueError) as exc:
+                if acc == "npu" or not prepared.windows:
+                    raise
+                log.warning("KV windows not used: %s cannot run them (%s)", acc, _first_line(exc))
+                prepared.path.unlink(missing_ok=True)  # our copy: the next load makes it again
+                prepared, cpu = _prepare(
+                    path, model, layout, plan, profile, cache_key, chain, False, prefer_interpreter
+                )
+                use_layout, use_plan = cpu
+                runner, kind = _open(path, use_layout, profile, acc, prefer_interpreter, prepared)
         except (OSError, RuntimeError, ValueError, AcceleratorError) as exc:
-            text = str(exc).strip()
-            reason = f"{acc}: {text.splitlines()[0] if text else type(exc).__name__}"
+            reason = f"{acc}: {_first_line(exc)}"
             log.warning("accelerator %s unavailable (%s); falling back to %s", acc, reason, nxt)
             fallbacks.append(reason)
             continue
+        if acc != "npu" and prepared.fresh and prepared.windows:
+            _check_new_windows(runner, prepared)
         log.info(
             "model loaded: %s on %s via %s, %s",
             path.name,
             runner.accelerator,
             kind,
-            plan.describe(),
+            use_plan.describe(),
         )
-        return LoadedModel(runner, model, plan, runner.accelerator, kind, tuple(fallbacks))
+        return LoadedModel(runner, model, use_plan, runner.accelerator, kind, tuple(fallbacks))
     raise AcceleratorError(
         f"no accelerator of profile {profile.name} could run {path.name}: " + "; ".join(fallbacks)
     )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _affordable_windows(model: ModelFile, layout: ModelLayout, plan: MemoryPlan) -> tuple[int, ...]:
+    """The KV windows to add at load (`auto_windows`) whose signatures fit the budget: a
+    window's copy of a signature needs at most the activations of the full-length one."""
+    from agent.runtime.windows import auto_windows
+
+    acts = {s.key: s.activation_bytes for s in model.signatures}
+    chosen: list[int] = []
+    extra = 0
+    for w in auto_windows(layout.context_length):
+        sigs = (layout.decode, *(p for p in layout.prefill if p.length < w))
+        cost = sum(acts.get(s.key, 0) for s in sigs)
+        if plan.total + extra + cost > plan.budget:
+            log.info("KV window %d not added: its activations would exceed the budget", w)
+            break
+        extra += cost
+        chosen.append(w)
+    return tuple(chosen)
+
+
+def _prepare(
+    path: Path,
+    model: ModelFile,
+    layout: ModelLayout,
+    plan: MemoryPlan,
+    profile: DeviceProfile,
+    cache_key: str | None,
+    chain: list[str],
+    kv_windows: bool,
+    interpreter: bool,
+) -> tuple[PreparedModel, tuple[ModelLayout, MemoryPlan]]:
+    """The file the CPU links run, and its layout and memory plan.
+
+    XNNPACK cannot take a composite: each one splits the delegated graph (6-10% of a decode
+    step, docs/PERFORMANCE.md); LiteRT-LM inlines them when it compiles, so do we. A
+    single-length model also gets KV windows (`agent.runtime.windows`) on the CompiledModel
+    path (the Interpreter would allocate each window's KV once per signature), unless the profile
+    sets ``kv_windows = false``.
+    """
+    unchanged = PreparedModel(path, cache_key), (layout, plan)
+    if profile.runtime.backend == LEGACY_BACKEND or not {"xnnpack", "cpu"} & set(chain):
+        return unchanged
+    windows: tuple[int, ...] = ()
+    if kv_windows and profile.runtime.kv_windows and not layout.windows and not interpreter:
+        windows = _affordable_windows(model, layout, plan)
+    if not (model.fused or windows):
+        return unchanged
+    n = layout.context_length
+    prepared = prepared_model(path, profile, cache_key, model.fused, windows, n)
+    if not prepared.windows:
+        return prepared, (layout, plan)
+    made = read_model_file(prepared.path)
+    made_layout = discover_layout(made, n)
+    made_plan = plan_memory(made, made_layout, profile)
+    if made_plan.total > made_plan.budget:
+        log.warning("KV windows not used: with them %s", made_plan.describe())
+        return prepared_model(path, profile, cache_key, model.fused, (), n), (layout, plan)
+    return prepared, (made_layout, made_plan)
+
+
+def _check_new_windows(runner: Runner, prepared: PreparedModel) -> None:
+    """Compare the windows just added to a model with its full length before using them; on a
+    difference run the full length only and drop the file (the next load tries again)."""
+    if not isinstance(runner, _CompiledRunner):
+        return
+    problem = runner.check_windows()
+    if problem is None:
+        log.info("KV windows %s added and checked", list(prepared.windows))
+        return
+    log.warning("KV windows not used: %s; running the full length only", problem)
+    runner.layout = replace(runner.layout, windows=())
+    prepared.path.unlink(missing_ok=True)
 
 
 LEGACY_BACKEND: Final = "tflite-runtime"
@@ -688,38 +822,72 @@ def check_legacy_compatible(model: ModelFile, path: Path, layout: ModelLayout) -
 # once per signature: 3x the packed bytes for a model with 4 signatures (docs/PERFORMANCE.md).
 IN_MEMORY_WEIGHT_CACHE: Final = ":memory:"
 WEIGHT_CACHE_SUFFIX: Final = ".xnnpack"
-INLINED_SUFFIX: Final = ".inlined.tflite"
+MODEL_SUFFIX: Final = ".tflite"
+# files the runtime keeps in a weight cache directory: <sha256>[.<variant>].xnnpack|.tflite
+_CACHE_FILE = re.compile(r"^[0-9a-f]{64}(\.[a-z0-9-]+)?\.(xnnpack|tflite)$")
 
 
-def inlined_model(path: Path, profile: DeviceProfile, cache_key: str | None) -> tuple[Path, int]:
-    """The model to give XNNPACK: `path` with its composites inlined (`agent.runtime.inline`),
-    kept beside the packed weights as ``<sha256>.inlined.tflite``, when the profile has a
-    weight cache directory; else `path` itself. Returns (path, composites inlined), the count
-    -1 when an earlier load's copy is reused."""
+@dataclass(frozen=True, slots=True)
+class PreparedModel:
+    """The file the CPU path runs: the model itself, or a copy made for XNNPACK."""
+
+    path: Path
+    cache_key: str | None  # names its packed weights
+    windows: tuple[int, ...] = ()  # KV windows added to it
+    fresh: bool = False  # written by this load (its windows are not checked yet)
+
+
+def _variant(fused: bool, windows: tuple[int, ...]) -> str:
+    parts = ["inlined"] if fused else []
+    if windows:
+        parts.append("kv" + "-".join(str(w) for w in windows))
+    return "-".join(parts)
+
+
+def prepared_model(
+    path: Path,
+    profile: DeviceProfile,
+    cache_key: str | None,
+    fused: bool,
+    windows: tuple[int, ...] = (),
+    kv_length: int = 0,
+) -> PreparedModel:
+    """The model to give XNNPACK: `path` with its composites inlined (`agent.runtime.inline`)
+    and KV windows added (`agent.runtime.windows`), kept beside the packed weights as
+    ``<sha256>.<variant>.tflite`` when the profile has a weight cache directory; else `path`
+    itself. A copy made by an earlier load is reused."""
     directory = profile.runtime.xnnpack_weight_cache_dir
+    unchanged = PreparedModel(path, cache_key)
     if directory is None or cache_key is None:
-        log.info("composites not inlined: the profile sets no xnnpack_weight_cache_dir")
-        return path, 0
-    from agent.runtime.inline import inline_file
+        log.info("model not prepared for XNNPACK: the profile sets no xnnpack_weight_cache_dir")
+        return unchanged
+    from agent.runtime.inline import prepare_file
 
-    target = directory / f"{cache_key}{INLINED_SUFFIX}"
+    key = f"{cache_key}.{_variant(fused, windows)}"
+    target = directory / f"{key}{MODEL_SUFFIX}"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        if target.exists():
-            return target, -1  # made by an earlier load: count unknown, nonzero
-        n = inline_file(path, target)
+        if target.exists():  # made by an earlier load
+            return PreparedModel(target, key, windows)
+        done = prepare_file(path, target, windows, kv_length)
     except (OSError, ModelFormatError, ValueError, AttributeError) as exc:
-        log.warning("composites not inlined (%s); loading %s as it is", exc, path.name)
-        return path, 0
-    return (target, n) if n else (path, 0)
+        log.warning("model not prepared for XNNPACK (%s); loading %s as it is", exc, path.name)
+        return unchanged
+    if not done.changed:
+        return unchanged
+    if done.windows != windows:  # refused: the file holds only the inlined graph
+        key = f"{cache_key}.{_variant(fused, done.windows)}"
+        target = target.replace(directory / f"{key}{MODEL_SUFFIX}")
+    return PreparedModel(target, key, done.windows, fresh=True)
 
 
 def weight_cache_path(profile: DeviceProfile, cache_key: str | None) -> str:
     """The XNNPACK weight cache for a model: a file in the profile's directory, else memory.
 
     `CpuOptions.xnnpack_weight_cache_path` is a file (a directory makes XNNPACK log an error and
-    run without a cache). Files of other models in the directory are removed: one model's packed
-    weights are as large as the model, and an update leaves the old ones unused.
+    run without a cache). Files of other models (and other variants of this one) in the
+    directory are removed: one model's packed weights are as large as the model, and an update
+    leaves the old ones unused.
     """
     directory = profile.runtime.xnnpack_weight_cache_dir
     if directory is None or cache_key is None:
@@ -729,12 +897,11 @@ def weight_cache_path(profile: DeviceProfile, cache_key: str | None) -> str:
         directory.mkdir(parents=True, exist_ok=True)
         if not os.access(directory, os.W_OK | os.X_OK) and not target.exists():
             raise PermissionError(f"{directory} is not writable")
-        keep = {target, directory / f"{cache_key.split('.')[0]}{INLINED_SUFFIX}"}
-        ours = (*directory.glob(f"*{WEIGHT_CACHE_SUFFIX}"), *directory.glob(f"*{INLINED_SUFFIX}"))
-        for old in ours:
-            if old not in keep:
+        keep = {target.name, f"{cache_key}{MODEL_SUFFIX}"}  # its packed weights and its copy
+        for old in directory.iterdir():
+            if _CACHE_FILE.match(old.name) and old.name not in keep:
                 old.unlink(missing_ok=True)
-                log.info("weight cache removed: %s (another model)", old)
+                log.info("weight cache removed: %s (another model or variant)", old)
     except OSError as exc:
         log.warning("XNNPACK weight cache dir unusable (%s); packing weights in memory", exc)
         return IN_MEMORY_WEIGHT_CACHE
@@ -746,12 +913,11 @@ def _open(
     layout: ModelLayout,
     profile: DeviceProfile,
     acc: str,
-    threads: int,
     prefer_interpreter: bool,
-    cache_key: str | None,
-    fused: bool,
+    prepared: PreparedModel,
 ) -> tuple[Runner, str]:
     npu = profile.npu
+    threads = profile.runtime.num_threads
     backend = profile.runtime.backend
     if acc == "npu":
         if npu is None:
@@ -766,14 +932,8 @@ def _open(
         if backend == LEGACY_BACKEND:
             raise AcceleratorError("a dispatch-library NPU needs ai-edge-litert's CompiledModel")
         return _CompiledRunner(path, layout, "npu", threads, None, npu.library), "compiled"
-    if fused and backend != LEGACY_BACKEND:
-        # XNNPACK cannot take a composite: each one splits the delegated graph (6-10% of a
-        # decode step, docs/PERFORMANCE.md); LiteRT-LM inlines them when it compiles, so do we
-        path, inlined = inlined_model(path, profile, cache_key)
-        if inlined and cache_key is not None:
-            cache_key += ".inlined"  # another file: its own packed weights
-            log.info("running %s (composites inlined)", path.name)
-    cache = weight_cache_path(profile, cache_key) if acc == "xnnpack" else None
+    path = prepared.path
+    cache = weight_cache_path(profile, prepared.cache_key) if acc == "xnnpack" else None
     if prefer_interpreter:
         runner = _InterpreterRunner(path, layout, acc, threads, None, profile.runtime.backend)
         return runner, "interpreter"
