@@ -14,7 +14,10 @@ the flatbuffer (offset/size), and are copied as one block with their offsets shi
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import ctypes
+import gc
 import logging
 import mmap
 import shutil
@@ -148,6 +151,15 @@ def _flatbuffer_end(view: mmap.mmap) -> int:
     return min((o for o in starts if o > 1), default=len(view))
 
 
+def _give_back_memory() -> None:
+    """Return the rewrite's freed heap to the system before the model loads: the object graph
+    of a SmolLM-shaped model with KV windows peaks at ~250 MiB, and glibc keeps ~60 MiB of it
+    (measured) unless asked to trim."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 @dataclass(frozen=True, slots=True)
 class Prepared:
     """What `prepare_file` changed."""
@@ -193,6 +205,8 @@ def prepare_file(
                 f.seek(start)
                 shutil.copyfileobj(f, out, _CHUNK)
             tmp.replace(dst)
+    del model
+    _give_back_memory()
     log.info(
         "model prepared: %d composites inlined, KV windows %s in %s -> %s",
         n,
