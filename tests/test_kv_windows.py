@@ -207,7 +207,7 @@ def test_load_gives_a_single_length_model_windows_that_decode_the_same(
         "kv256_decode",
     ]
     assert "KV windows [256] added and checked" in caplog.text
-    made = cache / f"{'d' * 64}.inlined-kv256.tflite"
+    made = cache / f"{'d' * 64}.p2-inlined-kv256.tflite"
     assert made.exists()
     # a later load runs the same copy without rewriting or checking it again
     caplog.clear()

@@ -304,8 +304,8 @@ def test_xnnpack_weight_cache_file_is_written_reused_and_pruned(
 
     first = litert.load(path, profile, cache_key="a" * 64)
     # the fused model runs with its composites inlined: that file has its own packed weights
-    cache = cache_dir / f"{'a' * 64}.inlined{litert.WEIGHT_CACHE_SUFFIX}"
-    inlined = cache_dir / f"{'a' * 64}.inlined{litert.MODEL_SUFFIX}"
+    cache = cache_dir / f"{'a' * 64}.p2-inlined{litert.WEIGHT_CACHE_SUFFIX}"
+    inlined = cache_dir / f"{'a' * 64}.p2-inlined{litert.MODEL_SUFFIX}"
     names = sorted(p.name for p in cache_dir.iterdir())
     assert names == sorted([cache.name, inlined.name, theirs.name])
     written = cache.stat()

@@ -837,8 +837,14 @@ class PreparedModel:
     fresh: bool = False  # written by this load (its windows are not checked yet)
 
 
+# Bumped whenever `prepare_file` writes a different file for the same input, so that a copy
+# an older edge-agent left in the weight cache directory is made again, not reused.
+PREPARED_FORMAT: Final = 2
+
+
 def _variant(fused: bool, windows: tuple[int, ...]) -> str:
-    parts = ["inlined"] if fused else []
+    """Names what was done to a prepared copy: ``p2-inlined-kv256-512``."""
+    parts = [f"p{PREPARED_FORMAT}"] + (["inlined"] if fused else [])
     if windows:
         parts.append("kv" + "-".join(str(w) for w in windows))
     return "-".join(parts)

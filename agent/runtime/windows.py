@@ -5,18 +5,20 @@ A file exported with windows (`agent.toolchain.export`, ``decode_windows``) hold
 ``kv<W>_decode`` and ``kv<W>_prefill_<N>`` beside the full-length signatures, and the runtime
 runs each cache in the smallest window that holds it: decode attention reads W rows instead of
 the whole KV length (docs/PERFORMANCE.md). Compared op by op, the converter's window graphs
-differ from the full-length ones in exactly two things (SmolLM-135M shape, KV 1024 against
-256, decode and prefill): the KV length in tensor shapes, and the KV length in the int32
-shape operands of RESHAPE. Everything else, weights included, is the same. So a window is the
-full-length graph with the KV length L replaced by W in those two places.
+differ from the full-length ones only in the KV length L (SmolLM-135M shape, KV 1024 against
+256, decode and prefill): in tensor shapes, in the int32 shape operands of RESHAPE, and in the
+positional constant our export builds its causal mask from (an ``arange`` over the L positions,
+whose window copy holds the first W). Everything else, weights included, is the same. So a
+window is the full-length graph with L replaced by W in those places.
 
 Where L cannot be told apart from another quantity, the rewrite refuses rather than guesses:
 a quantized weight with a dimension equal to L (a model dimension that happens to equal the
 KV length), a long integer constant holding the value L, or an op that calls another graph
-(control flow, a composite left in place). Other constants with a dimension L are positional
-tables (our export's ``arange`` over the KV positions, a causal-mask cache, RoPE tables): a
-window keeps their first W entries. The runtime also compares each new
-window's logits with the full length's before it uses them (`litert.check_windows`).
+(control flow, a composite left in place). Other constants with a dimension L are taken for
+positional tables (an ``arange``, a causal-mask cache, RoPE tables) and cut to their first W
+entries; a float weight taken for one by mistake makes a wrong graph, which the runtime's
+check on the first load finds (`_RunnerBase.check_windows` compares every new signature with
+the full length) before the windows are used.
 """
 
 from __future__ import annotations
