@@ -4,6 +4,7 @@ session, with the rows moved up when it grows (CompiledModel path)."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -197,6 +198,9 @@ def test_load_gives_a_single_length_model_windows_that_decode_the_same(
     path = tiny_model_factory(prefill_lens=(8, 32), kv_max=512, quantization="int8")
     cache = tmp_path / "xnnpack"
     profile = make_profile(runtime={"xnnpack_weight_cache_dir": str(cache)})
+    # a load that died between writing the copy and checking it left only the unchecked copy
+    died = litert.prepared_model(path, profile, "d" * 64, True, (256,), 512)
+    assert died.fresh and died.path.name.endswith(".tflite.unchecked")
     with caplog.at_level(logging.INFO, logger="agent.runtime"):
         loaded = litert.load(path, profile, cache_key="d" * 64)
     layout = loaded.runner.layout
@@ -208,7 +212,8 @@ def test_load_gives_a_single_length_model_windows_that_decode_the_same(
     ]
     assert "KV windows [256] added and checked" in caplog.text
     made = cache / f"{'d' * 64}.p2-inlined-kv256.tflite"
-    assert made.exists()
+    assert made.exists() and not died.path.exists()  # checked again, then named
+    assert "model reopened to map them" in caplog.text  # packed on this load
     # a later load runs the same copy without rewriting or checking it again
     caplog.clear()
     mtime = made.stat().st_mtime_ns
@@ -234,21 +239,42 @@ def test_windows_are_refused_or_dropped_where_the_kv_length_is_ambiguous(
     """The tiny model's hidden size is 128. At a KV length of 128 an int8 model's quantized
     weights have that dimension too: the rewrite refuses. A float model's weights are cut like
     positional tables and make a wrong graph: the check at load finds it, and the model runs
-    its full length only, with the same tokens."""
+    its full length only, with the same tokens. Either outcome is remembered: later loads do
+    not rewrite the model for windows again."""
     monkeypatch.setattr(windows, "SMALLEST_WINDOW", 32)  # so that KV 128 gets windows 32, 64
     assert windows.auto_windows(128) == (32, 64)
+    cache = tmp_path / "xnnpack"
+    profile = make_profile(runtime={"xnnpack_weight_cache_dir": str(cache)})
+
+    def load(path: Path, key: str) -> litert.LoadedModel:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="agent.runtime"):
+            return litert.load(path, profile, cache_key=key * 64)
+
     int8 = tiny_model_factory(prefill_lens=(8,), kv_max=128, quantization="int8")
     done = prepare_file(int8, tmp_path / "int8.tflite", (32, 64), 128)
     assert done.windows == () and done.refused is not None
     assert "weight" in done.refused and "equal to the KV length 128" in done.refused
+    assert load(int8, "c").runner.layout.windows == ()
+    reason = (cache / f"{'c' * 64}.p2.nowindows").read_text()
+    assert "equal to the KV length 128" in reason
+    assert load(int8, "c").runner.layout.windows == ()
+    assert "model prepared" not in caplog.text and "an earlier load found weight" in caplog.text
+
     fp32 = tiny_model_factory(prefill_lens=(8,), kv_max=128)
-    cache = tmp_path / "xnnpack"
-    profile = make_profile(runtime={"xnnpack_weight_cache_dir": str(cache)})
-    with caplog.at_level(logging.INFO, logger="agent.runtime"):
-        loaded = litert.load(fp32, profile, cache_key="e" * 64)
+    loaded = load(fp32, "e")
     assert loaded.runner.layout.windows == ()
     assert "KV windows not used" in caplog.text
-    assert not list(cache.glob("*kv32-64.tflite"))  # dropped: the next load tries again
+    assert not list(cache.glob(f"{'e' * 64}*kv32-64.tflite*"))  # dropped
+    assert (cache / f"{'e' * 64}.p2.nowindows").exists()
     want, _, _ = _greedy(litert.load(fp32, make_profile(), kv_windows=False).runner, PROMPT, 60)
     got, _, _ = _greedy(loaded.runner, PROMPT, 60)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    again = load(fp32, "e")  # the inlined copy without windows, made once
+    assert again.runner.layout.windows == () and "KV windows [32, 64]" not in caplog.text
+    assert "an earlier load found" in caplog.text
+    assert sorted(f.name.split(".", 1)[1] for f in cache.iterdir() if f.name[0] == "e") == [
+        "p2-inlined.tflite",
+        "p2-inlined.xnnpack",
+        "p2.nowindows",
+    ]

@@ -298,6 +298,10 @@ def test_xnnpack_weight_cache_file_is_written_reused_and_pruned(
     cache_dir.mkdir()
     stale = cache_dir / f"{'0' * 64}{litert.WEIGHT_CACHE_SUFFIX}"
     stale.write_bytes(b"packed weights of a model that was replaced")
+    stale_copy = cache_dir / f"{'0' * 64}.p2-inlined-kv256.tflite{litert.UNCHECKED_SUFFIX}"
+    stale_copy.write_bytes(b"a copy a load did not live to check")
+    mine = cache_dir / f"{'a' * 64}.p2{litert.NO_WINDOWS_SUFFIX}"  # this model's, kept
+    mine.write_text("why its windows failed")
     theirs = cache_dir / "model.tflite"  # not named like the runtime's files: never removed
     theirs.write_bytes(b"someone else's file")
     want = _decode_all(litert.load(path, make_profile()).runner, PROMPT[:6])
@@ -307,7 +311,7 @@ def test_xnnpack_weight_cache_file_is_written_reused_and_pruned(
     cache = cache_dir / f"{'a' * 64}.p2-inlined{litert.WEIGHT_CACHE_SUFFIX}"
     inlined = cache_dir / f"{'a' * 64}.p2-inlined{litert.MODEL_SUFFIX}"
     names = sorted(p.name for p in cache_dir.iterdir())
-    assert names == sorted([cache.name, inlined.name, theirs.name])
+    assert names == sorted([cache.name, inlined.name, theirs.name, mine.name])
     written = cache.stat()
     assert written.st_size > 0
     np.testing.assert_allclose(_decode_all(first.runner, PROMPT[:6]), want, rtol=1e-4, atol=1e-4)
@@ -317,7 +321,8 @@ def test_xnnpack_weight_cache_file_is_written_reused_and_pruned(
     np.testing.assert_allclose(_decode_all(second.runner, PROMPT[:6]), want, rtol=1e-4, atol=1e-4)
     # another model's files are pruned, the inlined copy included
     other = litert.load(path, profile, cache_key="b" * 64)
-    assert not cache.exists() and not inlined.exists() and theirs.exists()
+    assert not cache.exists() and not inlined.exists() and not mine.exists()
+    assert theirs.exists()
     assert other.accelerator == "xnnpack"
 
 

@@ -14,10 +14,7 @@ the flatbuffer (offset/size), and are copied as one block with their offsets shi
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import ctypes
-import gc
 import logging
 import mmap
 import shutil
@@ -26,6 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from agent.errors import ModelFormatError
+from agent.runtime.memory import give_back_memory
 from agent.runtime.schema import schema
 
 log = logging.getLogger(__name__)
@@ -204,15 +202,6 @@ def _flatbuffer_end(view: mmap.mmap) -> int:
     return min((o for o in starts if o > 1), default=len(view))
 
 
-def _give_back_memory() -> None:
-    """Return the rewrite's freed heap to the system before the model loads: the object graph
-    of a SmolLM-shaped int8 model with KV windows peaks at ~140 MiB, and glibc kept ~60 MiB
-    of such a heap (measured) unless asked to trim."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
-        ctypes.CDLL(None).malloc_trim(0)
-
-
 @dataclass(frozen=True, slots=True)
 class Prepared:
     """What `prepare_file` changed."""
@@ -259,7 +248,7 @@ def prepare_file(
                 shutil.copyfileobj(f, out, _CHUNK)
             tmp.replace(dst)
     del model
-    _give_back_memory()
+    give_back_memory()
     log.info(
         "model prepared: %d composites inlined, KV windows %s in %s -> %s",
         n,

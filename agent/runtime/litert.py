@@ -30,6 +30,7 @@ import numpy.typing as npt
 from agent.errors import AcceleratorError, BudgetError, ModelFormatError, RuntimeFailure
 from agent.profile import DeviceProfile
 from agent.runtime.layout import ModelLayout, Signature, Window, discover_layout
+from agent.runtime.memory import give_back_memory
 from agent.runtime.modelfile import ModelFile, read_model_file
 
 log = logging.getLogger(__name__)
@@ -770,17 +771,22 @@ def _prepare(
 
 
 def _check_new_windows(runner: Runner, prepared: PreparedModel) -> None:
-    """Compare the windows just added to a model with its full length before using them; on a
-    difference run the full length only and drop the file (the next load tries again)."""
+    """Compare the windows just added to a model with its full length before using them. The
+    copy gets its own name only then, so a load that dies before the check leaves nothing a
+    later load would trust. On a difference the model runs its full length only, the copy is
+    dropped and the outcome is remembered, so later loads do not rewrite the model again."""
     if not isinstance(runner, _CompiledRunner):
         return
     problem = runner.check_windows()
+    give_back_memory()
     if problem is None:
+        prepared.path.replace(prepared.checked_path)
         log.info("KV windows %s added and checked", list(prepared.windows))
         return
     log.warning("KV windows not used: %s; running the full length only", problem)
     runner.layout = replace(runner.layout, windows=())
     prepared.path.unlink(missing_ok=True)
+    _remember_no_windows(prepared.path.parent, prepared.cache_key, problem)
 
 
 LEGACY_BACKEND: Final = "tflite-runtime"
@@ -823,8 +829,17 @@ def check_legacy_compatible(model: ModelFile, path: Path, layout: ModelLayout) -
 IN_MEMORY_WEIGHT_CACHE: Final = ":memory:"
 WEIGHT_CACHE_SUFFIX: Final = ".xnnpack"
 MODEL_SUFFIX: Final = ".tflite"
-# files the runtime keeps in a weight cache directory: <sha256>[.<variant>].xnnpack|.tflite
-_CACHE_FILE = re.compile(r"^[0-9a-f]{64}(\.[a-z0-9-]+)?\.(xnnpack|tflite)$")
+UNCHECKED_SUFFIX: Final = ".unchecked"  # a copy with windows before its first-load check
+NO_WINDOWS_SUFFIX: Final = ".nowindows"  # why a model's windows were refused or failed
+# files the runtime keeps in a weight cache directory: <sha256>[.<variant>].xnnpack|.tflite,
+# <sha256>.<variant>.tflite.unchecked and <sha256>.p<format>.nowindows
+_CACHE_FILE = re.compile(
+    r"^[0-9a-f]{64}(\.[a-z0-9-]+)?\.(xnnpack|tflite|tflite\.unchecked|nowindows)$"
+)
+
+# Bumped whenever `prepare_file` writes a different file for the same input, so that a copy
+# an older edge-agent left in the weight cache directory is made again, not reused.
+PREPARED_FORMAT: Final = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -834,12 +849,37 @@ class PreparedModel:
     path: Path
     cache_key: str | None  # names its packed weights
     windows: tuple[int, ...] = ()  # KV windows added to it
-    fresh: bool = False  # written by this load (its windows are not checked yet)
+    fresh: bool = False  # written by this load: `path` is unchecked until `checked_path`
+
+    @property
+    def checked_path(self) -> Path:
+        return self.path.with_name(f"{self.cache_key}{MODEL_SUFFIX}")
 
 
-# Bumped whenever `prepare_file` writes a different file for the same input, so that a copy
-# an older edge-agent left in the weight cache directory is made again, not reused.
-PREPARED_FORMAT: Final = 2
+def _keep_files(cache_key: str) -> set[str]:
+    """The files of the model named `cache_key` (``<sha256>.<variant>``) in the directory."""
+    sha = cache_key.split(".", 1)[0]
+    model = f"{cache_key}{MODEL_SUFFIX}"
+    return {
+        f"{cache_key}{WEIGHT_CACHE_SUFFIX}",
+        model,
+        model + UNCHECKED_SUFFIX,
+        f"{sha}.p{PREPARED_FORMAT}{NO_WINDOWS_SUFFIX}",
+    }
+
+
+def _no_windows_file(directory: Path, cache_key: str | None) -> Path:
+    sha = (cache_key or "").split(".", 1)[0]
+    return directory / f"{sha}.p{PREPARED_FORMAT}{NO_WINDOWS_SUFFIX}"
+
+
+def _remember_no_windows(directory: Path, cache_key: str | None, reason: str) -> None:
+    """Keep why this model gets no windows: the outcome is the same for the same file and
+    format, and finding it again would cost a rewrite (and a check) at every start."""
+    try:
+        _no_windows_file(directory, cache_key).write_text(reason + "\n")
+    except OSError as exc:
+        log.warning("cannot remember that KV windows failed (%s)", exc)
 
 
 def _variant(fused: bool, windows: tuple[int, ...]) -> str:
@@ -869,22 +909,30 @@ def prepared_model(
         return unchanged
     from agent.runtime.inline import prepare_file
 
+    refused = _no_windows_file(directory, cache_key)
+    if windows and refused.exists():
+        reason = refused.read_text(errors="replace").strip()
+        log.warning("KV windows not added: an earlier load found %s", reason)
+        windows = ()
     key = f"{cache_key}.{_variant(fused, windows)}"
     target = directory / f"{key}{MODEL_SUFFIX}"
+    # a copy with windows is named `target` only once its first load has checked it
+    write = target.with_name(target.name + UNCHECKED_SUFFIX) if windows else target
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        if target.exists():  # made by an earlier load
+        if target.exists():  # made (and checked) by an earlier load
             return PreparedModel(target, key, windows)
-        done = prepare_file(path, target, windows, kv_length)
+        done = prepare_file(path, write, windows, kv_length)
     except (OSError, ModelFormatError, ValueError, AttributeError) as exc:
         log.warning("model not prepared for XNNPACK (%s); loading %s as it is", exc, path.name)
         return unchanged
     if not done.changed:
         return unchanged
     if done.windows != windows:  # refused: the file holds only the inlined graph
+        _remember_no_windows(directory, cache_key, done.refused or "the windows were refused")
         key = f"{cache_key}.{_variant(fused, done.windows)}"
-        target = target.replace(directory / f"{key}{MODEL_SUFFIX}")
-    return PreparedModel(target, key, done.windows, fresh=True)
+        write = write.replace(directory / f"{key}{MODEL_SUFFIX}")
+    return PreparedModel(write, key, done.windows, fresh=True)
 
 
 def weight_cache_path(profile: DeviceProfile, cache_key: str | None) -> str:
@@ -903,7 +951,7 @@ def weight_cache_path(profile: DeviceProfile, cache_key: str | None) -> str:
         directory.mkdir(parents=True, exist_ok=True)
         if not os.access(directory, os.W_OK | os.X_OK) and not target.exists():
             raise PermissionError(f"{directory} is not writable")
-        keep = {target.name, f"{cache_key}{MODEL_SUFFIX}"}  # its packed weights and its copy
+        keep = _keep_files(cache_key)  # its packed weights, its copy, its windows' outcome
         for old in directory.iterdir():
             if _CACHE_FILE.match(old.name) and old.name not in keep:
                 old.unlink(missing_ok=True)
@@ -943,4 +991,14 @@ def _open(
     if prefer_interpreter:
         runner = _InterpreterRunner(path, layout, acc, threads, None, profile.runtime.backend)
         return runner, "interpreter"
-    return _CompiledRunner(path, layout, acc, threads, cache, None), "compiled"
+    packing = cache not in (None, IN_MEMORY_WEIGHT_CACHE) and not os.path.exists(str(cache))
+    compiled = _CompiledRunner(path, layout, acc, threads, cache, None)
+    if packing and os.path.exists(str(cache)):
+        # XNNPACK keeps the buffers it packed into for the model's lifetime and writes the file
+        # for the next load; reopening maps the file instead (~the packed size less RSS).
+        compiled.close()
+        del compiled
+        give_back_memory()
+        log.info("weights packed to %s; model reopened to map them", cache)
+        compiled = _CompiledRunner(path, layout, acc, threads, cache, None)
+    return compiled, "compiled"
