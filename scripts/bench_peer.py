@@ -174,21 +174,25 @@ def pack_litertlm(model_dir: Path, quant: str) -> Path | None:
     return out
 
 
-def bench_profile(threads: int, quant: str) -> Path:
+def bench_profile(threads: int, quant: str, cold: bool = False) -> Path:
     """The dev profile with `threads` threads, a persistent weight cache and no prefix cache
-    (LiteRT-LM has none across requests: repeated prompts must be prefilled every time)."""
+    (LiteRT-LM has none across requests: repeated prompts must be prefilled every time).
+    `cold`: its weight cache directory is emptied, so the load prepares and packs the model."""
     from agent.profile import profiles_dir
 
     text = (profiles_dir() / "generic-x86_64.toml").read_text()
-    out = CACHE / f"bench-{threads}t-{quant.replace('_', '-')}.toml"
+    kind = "cold-" if cold else ""
+    out = CACHE / f"bench-{kind}{threads}t-{quant.replace('_', '-')}.toml"
+    weights = CACHE / f"xnnpack{'-cold' if cold else ''}" / quant
+    if cold:
+        shutil.rmtree(weights, ignore_errors=True)
     CACHE.mkdir(parents=True, exist_ok=True)
     text = text.replace('name = "generic-x86_64"', f'name = "{out.stem}"')
     text = text.replace("num_threads = 2", f"num_threads = {threads}")
     text = text.replace("prefix_max_bytes = 134_217_728", "prefix_max_bytes = 0")
     text = text.replace(
         'arena_extend_strategy = "kNextPowerOfTwo"',
-        'arena_extend_strategy = "kNextPowerOfTwo"\n'
-        f'xnnpack_weight_cache_dir = "{CACHE / "xnnpack" / quant}"',
+        f'arena_extend_strategy = "kNextPowerOfTwo"\nxnnpack_weight_cache_dir = "{weights}"',
     )
     out.write_text(text)
     return out
@@ -287,9 +291,12 @@ def worker_edge(a: argparse.Namespace) -> dict[str, Any]:
     if a.task == "continue":
         return {"engine": "edge", **continue_edge(a), "peak_rss_mib": peak_rss_mib()}
     profile = load_profile(Path(a.profile))
+    t0 = time.perf_counter()
     engine = Engine(profile, Path(a.model), quantization=a.quant, kv_windows=not a.no_windows)
+    load_s = time.perf_counter() - t0
     windows = engine.loaded.runner.layout.all_windows()  # exported or added at load
     out: dict[str, Any] = {"engine": "edge", "kv_windows": [w.length for w in windows]}
+    out["load_s"] = load_s
 
     def run(prompt: str, tokens: int) -> tuple[float, float, int, list[int], Any]:
         req = GenerateRequest(prompt, max_tokens=tokens, sampling=SamplingParams(0.0))
@@ -391,8 +398,11 @@ def worker_litertlm(a: argparse.Namespace) -> dict[str, Any]:
 
     from agent.runtime.tokenizer import Tokenizer
 
-    cache = CACHE / "litertlm-cache"
+    cache = CACHE / ("litertlm-cold" if a.cold else "litertlm-cache")
+    if a.cold:  # its packed weights are made again, as edge-agent's are
+        shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
     engine = litert_lm.Engine(
         a.bundle,
         backend=litert_lm.Backend.CPU(thread_count=a.threads),
@@ -416,7 +426,7 @@ def worker_litertlm(a: argparse.Namespace) -> dict[str, Any]:
             s.close()
         return (first - t0) * 1e3, rate, n, info
 
-    out: dict[str, Any] = {"engine": "litertlm"}
+    out: dict[str, Any] = {"engine": "litertlm", "load_s": time.perf_counter() - t0}
     run(prompt_text(tok, 64), 8)  # warm-up, as for edge-agent
     if a.task == "main":
         _, rate, n, info = run(prompt_text(tok, 64), a.tokens)
@@ -459,6 +469,7 @@ def worker_main(argv: list[str]) -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--no-windows", action="store_true")
+    ap.add_argument("--cold", action="store_true", help="litertlm: start with an empty cache")
     ap.add_argument("--history", type=int, default=HISTORY)
     a = ap.parse_args(argv)
     fn = {"edge": worker_edge, "grpc": worker_grpc, "litertlm": worker_litertlm}[a.engine]
@@ -516,14 +527,31 @@ def run_main(
         engines.append("litertlm")
     else:
         skipped.append("LiteRT-LM: the peer extra (litert-lm-api, litert-lm-builder) is missing")
-    bw = {t: read_bandwidth(t) for t in a.threads}
-    out: dict[str, Any] = {"model": model.name, "bandwidth_gb_s": bw, "cells": []}
+    # The ceiling is the best read bandwidth the machine showed: sampled before every round,
+    # since a neighbour's load on a shared machine lowers a single sample by up to half.
+    samples: dict[int, list[float]] = {t: [read_bandwidth(t)] for t in a.threads}
+    out: dict[str, Any] = {"model": model.name, "cells": []}
     for q in QUANTS:
         parsed = read_variant(model, q)
         bpt = bytes_per_token(parsed, 1024)
         for t in a.threads:
+            cold: dict[str, Any] = {}
+            for e in ("edge", "litertlm"):  # the first load: nothing prepared, packed or cached
+                if e in engines:
+                    cold[e] = spawn(
+                        e,
+                        model=model,
+                        quant=q,
+                        profile=bench_profile(t, q, cold=True),
+                        threads=t,
+                        bundle=bundles[q],
+                        tokens=a.tokens,
+                        cold=True,
+                    )
+                    print(q, t, e, "cold", {k: v for k, v in cold[e].items() if k != "ids"})
             runs: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
             for r in range(a.rounds):
+                samples[t].append(read_bandwidth(t))
                 for e in engines if r % 2 == 0 else reversed(engines):
                     res = spawn(
                         e,
@@ -536,17 +564,14 @@ def run_main(
                     )
                     runs[e].append(res)
                     print(q, t, e, r, {k: v for k, v in res.items() if k != "ids"}, flush=True)
-            cell: dict[str, Any] = {"quant": q, "threads": t, "bytes_per_token": bpt}
+            cell: dict[str, Any] = {"quant": q, "threads": t, "bytes_per_token": bpt, "cold": cold}
             out["edge_windows"] = runs["edge"][0]["kv_windows"]
             out["file_windows"] = [w.length for w in discover_layout(parsed).windows]
             rows = decode_rows(out["edge_windows"], 64 + a.tokens)
             out["edge_kv_rows"] = rows
             edge_bpt = bytes_per_token(parsed, rows)
-            ceiling = bw[t] * 1e9 / bpt["total"]
-            cell["ceiling_tok_s"] = ceiling
             if edge_bpt != bpt:  # edge-agent decodes in a KV window: it reads fewer bytes
                 cell["edge_bytes_per_token"] = edge_bpt
-                cell["edge_ceiling_tok_s"] = bw[t] * 1e9 / edge_bpt["total"]
             for e, results in runs.items():
                 stats: dict[str, Any] = {"rounds": {}}
                 for k in MAIN_KEYS:
@@ -554,11 +579,25 @@ def run_main(
                     if got is not None:
                         stats[k] = got
                         stats["rounds"][k] = [row[k] for row in results]
-                own = cell.get("edge_ceiling_tok_s", ceiling) if e != "litertlm" else ceiling
-                stats["of_ceiling"] = stats["decode_tok_s"]["median"] / own
                 cell[e] = stats
             out["cells"].append(cell)
+    out["bandwidth_gb_s"] = {t: max(v) for t, v in samples.items()}
+    out["bandwidth_samples_gb_s"] = samples
+    for cell in out["cells"]:
+        set_ceilings(cell, out["bandwidth_gb_s"][cell["threads"]])
     return out
+
+
+def set_ceilings(cell: dict[str, Any], gb_s: float) -> None:
+    """The decode speed the read bandwidth allows for the bytes each engine reads per token,
+    and the fraction of it each engine reached."""
+    ceiling = cell["ceiling_tok_s"] = gb_s * 1e9 / cell["bytes_per_token"]["total"]
+    if "edge_bytes_per_token" in cell:
+        cell["edge_ceiling_tok_s"] = gb_s * 1e9 / cell["edge_bytes_per_token"]["total"]
+    for e in ENGINES:
+        if e in cell:
+            own = cell.get("edge_ceiling_tok_s", ceiling) if e != "litertlm" else ceiling
+            cell[e]["of_ceiling"] = cell[e]["decode_tok_s"]["median"] / own
 
 
 def model_and_bundle(
@@ -652,7 +691,17 @@ NAMES = {"edge": "edge-agent in-process", "grpc": "edge-agent via gRPC", "litert
 
 
 def md_main(m: dict[str, Any]) -> list[str]:
-    bw = ", ".join(f"{t} thread(s) {v:.1f} GB/s" for t, v in m["bandwidth_gb_s"].items())
+    spread = m.get("bandwidth_samples_gb_s", {})
+    bw = ", ".join(
+        f"{t} thread(s) {v:.1f} GB/s"
+        + (
+            f" (the best of {len(spread[t])} samples taken before each round; lowest "
+            f"{min(spread[t]):.1f})"
+            if spread.get(t)
+            else ""
+        )
+        for t, v in m["bandwidth_gb_s"].items()
+    )
     rows = m.get("edge_kv_rows")
     edge = ", ".join(str(w) for w in m.get("edge_windows", [])[:-1])
     runs = (
@@ -724,6 +773,32 @@ def md_main(m: dict[str, Any]) -> list[str]:
             f"{ratio(e, p, 'decode_tok_s')} | {ratio(g, e, 'decode_tok_s')} | "
             f"{ratio(e, p, 'ttft64_ms')} | {ratio(e, p, 'ttft448_ms')} | "
             f"{ratio(e, p, 'peak_rss_mib')} |"
+        )
+    return lines + md_cold(m["cells"])
+
+
+def md_cold(cells: list[dict[str, Any]]) -> list[str]:
+    """The first load of a model: one run per cell with empty caches."""
+    rows = [c for c in cells if c.get("cold", {}).get("edge") and c["cold"].get("litertlm")]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "First load, one run per cell with empty caches: edge-agent writes its prepared copy "
+        "(composites inlined, KV windows added), packs the weights, reopens the model to map "
+        "them and checks the windows; LiteRT-LM packs its weights into its cache directory. "
+        "Then the same requests as above.",
+        "",
+        "| quant | threads | load s edge-agent / LiteRT-LM | peak RSS MiB edge-agent / "
+        "LiteRT-LM | peak RSS edge ÷ LiteRT-LM |",
+        "|---|---|---|---|---|",
+    ]
+    for c in rows:
+        e, p = c["cold"]["edge"], c["cold"]["litertlm"]
+        lines.append(
+            f"| {c['quant']} | {c['threads']} | {e['load_s']:.1f} / {p['load_s']:.1f} | "
+            f"{e['peak_rss_mib']:.0f} / {p['peak_rss_mib']:.0f} | "
+            f"{e['peak_rss_mib'] / p['peak_rss_mib']:.2f}x |"
         )
     return lines
 
