@@ -105,13 +105,28 @@ def _plan(config: AgentConfig, overrides: Overrides) -> _Plan:
         log.info("profile %s: %s", profile.name, r)
     model_dir = config.model.path or profile.model.path or demo_model_dir()
     lim = config.limits
+    state_dir = overrides.state_dir or DEFAULT_STATE_DIR
     return _Plan(
-        profile,
+        _with_weight_cache(profile, state_dir),
         model_dir,
         config.model.quantization,
         EngineLimits(lim.max_active, lim.queue_capacity, lim.max_pending_events, lim.max_sessions),
-        overrides.state_dir or DEFAULT_STATE_DIR,
+        state_dir,
     )
+
+
+def _with_weight_cache(profile: DeviceProfile, state_dir: Path) -> DeviceProfile:
+    """A profile that names no `xnnpack_weight_cache_dir` (the generic development profile)
+    still gets one in the daemon: `xnnpack` in systemd's CacheDirectory (``$CACHE_DIRECTORY``)
+    or else in the state directory. Without it every start packs the weights again and the
+    model runs without its composites inlined or KV windows added (docs/PROFILES.md)."""
+    if profile.runtime.xnnpack_weight_cache_dir is not None:
+        return profile
+    cache = os.environ.get("CACHE_DIRECTORY", "").split(":")[0]
+    directory = (Path(cache) if cache else state_dir / "cache") / "xnnpack"
+    log.info("profile %s names no xnnpack_weight_cache_dir: using %s", profile.name, directory)
+    runtime = dataclasses.replace(profile.runtime, xnnpack_weight_cache_dir=directory)
+    return dataclasses.replace(profile, runtime=runtime)
 
 
 def _build(plan: _Plan) -> Engine:

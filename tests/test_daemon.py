@@ -7,6 +7,7 @@ import signal
 import stat
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -51,6 +52,31 @@ def test_ready_health_and_socket_mode(daemon: Daemon) -> None:
     c = daemon.client()
     assert c.health() == "SERVING"
     assert c.health("edge_agent.v1.Agent") == "SERVING"
+
+
+def test_the_generic_profile_gets_a_weight_cache_dir_from_the_daemon(
+    daemon: Daemon, tiny_model_dir, dev_profile, tmp_path, monkeypatch
+) -> None:
+    """The generic profile names no `xnnpack_weight_cache_dir`; the daemon keeps packed weights
+    and the prepared copy in its state directory, or in systemd's cache directory."""
+    from agent.daemon import _with_weight_cache
+    from agent.modeldir import load_model_dir
+
+    sha = load_model_dir(tiny_model_dir).variant("int8").sha256
+    cache = daemon.tmp / "state" / "cache" / "xnnpack"
+    assert sorted(p.name for p in cache.iterdir()) == [
+        f"{sha}.p2-inlined.tflite",
+        f"{sha}.p2-inlined.xnnpack",
+    ]
+    assert dev_profile.runtime.xnnpack_weight_cache_dir is None
+    monkeypatch.setenv("CACHE_DIRECTORY", "/var/cache/edge-agent:/var/cache/other")
+    got = _with_weight_cache(dev_profile, tmp_path).runtime.xnnpack_weight_cache_dir
+    assert got == Path("/var/cache/edge-agent/xnnpack")
+    monkeypatch.delenv("CACHE_DIRECTORY")
+    got = _with_weight_cache(dev_profile, tmp_path).runtime.xnnpack_weight_cache_dir
+    assert got == tmp_path / "cache" / "xnnpack"
+    board = _with_weight_cache(dev_profile, tmp_path)  # a profile that names one keeps it
+    assert _with_weight_cache(board, tmp_path / "other") == board
 
 
 def test_generate_streams_and_matches_in_process_engine(
