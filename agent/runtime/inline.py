@@ -18,16 +18,19 @@ import copy
 import logging
 import mmap
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from agent.errors import ModelFormatError
+import flatbuffers
+
 from agent.runtime.memory import give_back_memory
 from agent.runtime.schema import schema
 
 log = logging.getLogger(__name__)
 
+_BUFFER_OFFSET_FIELD = 6  # vtable slot of Buffer.offset (fields: data, offset, size)
 _ALIGN = 4096  # the weight block moves by a multiple of this: buffer alignment is kept
 _CHUNK = 1 << 20  # bytes per read when the weights are copied
 
@@ -157,8 +160,6 @@ def _write_packed(model: Any, start: int, out: BinaryIO) -> None:
     their offsets are shifted by a multiple of `_ALIGN`, which keeps every buffer's alignment.
     The builder's bytes are written as they are, not copied (a SmolLM-shaped int8 graph with
     KV windows is ~8 MB with shared tables, 36 MB without)."""
-    import flatbuffers
-
     outside = [b for b in model.buffers or [] if b.offset > 1]
 
     _share_quantization(model)
@@ -180,18 +181,29 @@ def _write_packed(model: Any, start: int, out: BinaryIO) -> None:
         builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
         return memoryview(builder.Bytes)[builder.Head() :]
 
-    if not outside:
-        out.write(build())
-        return
-    # the offsets' uint64 fields are present either way, so the second build has the same size
-    shift = -(-(len(build()) - start) // _ALIGN) * _ALIGN
-    for b in outside:
-        b.offset += shift
     head = build()
-    if len(head) > start + shift:
-        raise ModelFormatError("rewriting the graph: it would overlap the weights")
+    if not outside:
+        out.write(head)
+        return
+    shift = -(-(len(head) - start) // _ALIGN) * _ALIGN
+    _shift_offsets(head, shift)
     out.write(head)
     out.write(b"\0" * (start + shift - len(head)))
+
+
+def _shift_offsets(head: memoryview, shift: int) -> None:
+    """Add `shift` to the offset of every buffer stored outside the flatbuffer `head`, in
+    place: the uint64 fields are there already (an offset > 1 is never the default), so the
+    graph does not have to be built a second time (half of a rewrite's time, measured)."""
+    root = schema.Model.GetRootAs(head, 0)
+    for i in range(root.BuffersLength()):
+        tab = root.Buffers(i)._tab
+        field = tab.Offset(_BUFFER_OFFSET_FIELD)
+        if not field:
+            continue
+        offset = struct.unpack_from("<Q", head, tab.Pos + field)[0]
+        if offset > 1:
+            struct.pack_into("<Q", head, tab.Pos + field, offset + shift)
 
 
 def _flatbuffer_end(view: mmap.mmap) -> int:
