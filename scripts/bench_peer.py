@@ -501,6 +501,7 @@ MAIN_KEYS = (
     "prefill64_tok_s",
     "prefill448_tok_s",
     "peak_rss_mib",
+    "load_s",
 )
 
 
