@@ -780,7 +780,10 @@ def _check_new_windows(runner: Runner, prepared: PreparedModel) -> None:
     problem = runner.check_windows()
     give_back_memory()
     if problem is None:
-        prepared.path.replace(prepared.checked_path)
+        try:
+            prepared.path.replace(prepared.checked_path)
+        except OSError as exc:  # the windows serve; the next start makes and checks them again
+            log.warning("checked copy not kept (%s)", exc)
         log.info("KV windows %s added and checked", list(prepared.windows))
         return
     log.warning("KV windows not used: %s; running the full length only", problem)
@@ -858,26 +861,26 @@ class PreparedModel:
 
 def _keep_files(cache_key: str) -> set[str]:
     """The files of the model named `cache_key` (``<sha256>.<variant>``) in the directory."""
-    sha = cache_key.split(".", 1)[0]
     model = f"{cache_key}{MODEL_SUFFIX}"
     return {
         f"{cache_key}{WEIGHT_CACHE_SUFFIX}",
         model,
         model + UNCHECKED_SUFFIX,
-        f"{sha}.p{PREPARED_FORMAT}{NO_WINDOWS_SUFFIX}",
+        _no_windows_name(cache_key),
     }
 
 
-def _no_windows_file(directory: Path, cache_key: str | None) -> Path:
+def _no_windows_name(cache_key: str | None) -> str:
+    """``<sha256>.p<format>.nowindows``: one per model file and prepare format."""
     sha = (cache_key or "").split(".", 1)[0]
-    return directory / f"{sha}.p{PREPARED_FORMAT}{NO_WINDOWS_SUFFIX}"
+    return f"{sha}.p{PREPARED_FORMAT}{NO_WINDOWS_SUFFIX}"
 
 
 def _remember_no_windows(directory: Path, cache_key: str | None, reason: str) -> None:
     """Keep why this model gets no windows: the outcome is the same for the same file and
     format, and finding it again would cost a rewrite (and a check) at every start."""
     try:
-        _no_windows_file(directory, cache_key).write_text(reason + "\n")
+        (directory / _no_windows_name(cache_key)).write_text(reason + "\n")
     except OSError as exc:
         log.warning("cannot remember that KV windows failed (%s)", exc)
 
@@ -909,7 +912,7 @@ def prepared_model(
         return unchanged
     from agent.runtime.inline import prepare_file
 
-    refused = _no_windows_file(directory, cache_key)
+    refused = directory / _no_windows_name(cache_key)
     if windows and refused.exists():
         reason = refused.read_text(errors="replace").strip()
         log.warning("KV windows not added: an earlier load found %s", reason)
