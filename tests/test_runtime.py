@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import subprocess
 from pathlib import Path
@@ -12,8 +13,11 @@ import pytest
 from agent.errors import AcceleratorError, BudgetError, ModelFormatError
 from agent.runtime import litert
 from agent.runtime.layout import discover_layout
+from agent.runtime.memory import keep_large_buffers_mapped
 from agent.runtime.modelfile import read_model_file
 from tests.tiny_models import LEGACY
+
+P = f"p{litert.PREPARED_FORMAT}"  # the prepared copies' format, in their names
 
 LAYOUTS = [
     # (layout, prefill lengths, mask as input)
@@ -46,14 +50,14 @@ def _decode_all(runner, tokens):
     kv = runner.new_kv()
     out = []
     for pos, t in enumerate(tokens):
-        out.append(runner.decode(kv, t, pos))
+        out.append(runner.decode(kv, t, pos).copy())  # the next call overwrites it
     return np.stack(out)
 
 
 def _prefill_then_decode(runner, tokens):
     kv = runner.new_kv()
     runner.prefill(kv, tokens[:-1], 0)
-    return runner.decode(kv, tokens[-1], len(tokens) - 1)
+    return runner.decode(kv, tokens[-1], len(tokens) - 1).copy()
 
 
 PROMPT = [1, 17, 33, 5, 200, 9, 41, 42, 43, 7, 99, 120, 3, 18, 64, 65, 66, 12, 250, 8]
@@ -61,6 +65,10 @@ PROMPT = [1, 17, 33, 5, 200, 9, 41, 42, 43, 7, 99, 120, 3, 18, 64, 65, 66, 12, 2
 
 # tflite-runtime has only the Interpreter path, and runs only the transposed KV layout right
 # (docs/PROFILES.md); the tests of what only ai-edge-litert has are skipped on it
+MALLINFO2_FIELDS = (  # glibc's struct mallinfo2, all size_t
+    *("arena", "ordblks", "smblks", "hblks", "hblkhd"),
+    *("usmblks", "fsmblks", "uordblks", "fordblks", "keepcost"),
+)
 NOT_LEGACY = pytest.mark.skipif(LEGACY, reason="ai-edge-litert only")
 PATHS = [pytest.param(False, id="compiled", marks=NOT_LEGACY), pytest.param(True, id="interpreter")]
 RUN_LAYOUTS = [
@@ -91,6 +99,41 @@ def test_compiled_and_interpreter_agree(tiny_model_factory, dev_profile) -> None
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
+@NOT_LEGACY
+def test_decode_writes_its_logits_into_the_runners_array(tiny_model_factory, dev_profile) -> None:
+    """No allocation per token: each step's logits land in the same array, bound as the
+    signature's output, and are the values the step computed."""
+    path = tiny_model_factory(layout="transposed", prefill_lens=(8,), kv_max=64)
+    runner = litert.load(path, dev_profile).runner
+    want = _decode_all(runner, PROMPT[:3])
+    kv = runner.new_kv()
+    first = runner.decode(kv, PROMPT[0], 0)
+    np.testing.assert_array_equal(first, want[0])
+    second = runner.decode(kv, PROMPT[1], 1)
+    assert np.shares_memory(first, second)
+    np.testing.assert_array_equal(second, want[1])
+    assert not np.array_equal(want[0], want[1])
+
+
+def test_large_buffers_stay_mapped_after_a_larger_one_is_freed() -> None:
+    """glibc would raise its mmap threshold to the size of a freed mapped block and serve the
+    next large buffers (a larger KV window's) from the heap, where their pages stay after
+    they are freed; the runtime pins the threshold, so they get mappings of their own."""
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in MALLINFO2_FIELDS]
+
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = MallInfo2
+    keep_large_buffers_mapped()
+    big = np.ones(16 << 20, dtype=np.uint8)  # mapped, then freed: the threshold would rise
+    del big
+    before = libc.mallinfo2().hblkhd
+    buffer = np.ones(8 << 20, dtype=np.uint8)  # no hole in the heap is this large
+    assert libc.mallinfo2().hblkhd - before >= 8 << 20
+    del buffer
+
+
 def test_sessions_do_not_share_kv(tiny_model_factory, dev_profile) -> None:
     path = tiny_model_factory(layout="transposed", prefill_lens=(8,), kv_max=64)
     for interpreter in (False, True):
@@ -98,7 +141,7 @@ def test_sessions_do_not_share_kv(tiny_model_factory, dev_profile) -> None:
         a, b = runner.new_kv(), runner.new_kv()
         runner.prefill(a, PROMPT[:10], 0)
         runner.prefill(b, PROMPT[10:19], 0)  # interleaved with a, different content
-        got = runner.decode(a, PROMPT[10], 10)
+        got = runner.decode(a, PROMPT[10], 10).copy()
         want = _decode_all(runner, PROMPT[:11])[-1]
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
@@ -121,7 +164,7 @@ def test_saved_rows_restore_a_cache_exactly(
     b = runner.new_kv()
     runner.prefill(b, PROMPT[5:17], 0)  # different content that the restore must replace
     runner.write_rows(b, rows)
-    want = runner.decode(a, PROMPT[12], 12)
+    want = runner.decode(a, PROMPT[12], 12).copy()
     got = runner.decode(b, PROMPT[12], 12)
     np.testing.assert_array_equal(got, want)
     with pytest.raises(ModelFormatError):
@@ -298,9 +341,9 @@ def test_xnnpack_weight_cache_file_is_written_reused_and_pruned(
     cache_dir.mkdir()
     stale = cache_dir / f"{'0' * 64}{litert.WEIGHT_CACHE_SUFFIX}"
     stale.write_bytes(b"packed weights of a model that was replaced")
-    stale_copy = cache_dir / f"{'0' * 64}.p2-inlined-kv256.tflite{litert.UNCHECKED_SUFFIX}"
+    stale_copy = cache_dir / f"{'0' * 64}.{P}-inlined-kv256.tflite{litert.UNCHECKED_SUFFIX}"
     stale_copy.write_bytes(b"a copy a load did not live to check")
-    mine = cache_dir / f"{'a' * 64}.p2{litert.NO_WINDOWS_SUFFIX}"  # this model's, kept
+    mine = cache_dir / f"{'a' * 64}.{P}{litert.NO_WINDOWS_SUFFIX}"  # this model's, kept
     mine.write_text("why its windows failed")
     theirs = cache_dir / "model.tflite"  # not named like the runtime's files: never removed
     theirs.write_bytes(b"someone else's file")
@@ -308,8 +351,8 @@ def test_xnnpack_weight_cache_file_is_written_reused_and_pruned(
 
     first = litert.load(path, profile, cache_key="a" * 64)
     # the fused model runs with its composites inlined: that file has its own packed weights
-    cache = cache_dir / f"{'a' * 64}.p2-inlined{litert.WEIGHT_CACHE_SUFFIX}"
-    inlined = cache_dir / f"{'a' * 64}.p2-inlined{litert.MODEL_SUFFIX}"
+    cache = cache_dir / f"{'a' * 64}.{P}-inlined{litert.WEIGHT_CACHE_SUFFIX}"
+    inlined = cache_dir / f"{'a' * 64}.{P}-inlined{litert.MODEL_SUFFIX}"
     names = sorted(p.name for p in cache_dir.iterdir())
     assert names == sorted([cache.name, inlined.name, theirs.name, mine.name])
     written = cache.stat()

@@ -72,6 +72,7 @@ class Signature:
     mask_shape: tuple[int, ...]
     has_logits: bool
     other_inputs: tuple[str, ...]  # inputs beyond tokens/input_pos/mask/kv (must be none)
+    logits_shape: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +185,7 @@ def _signature(sig: SignatureIO, length_hint: int | None) -> Signature:
     if length_hint is not None and length != length_hint:
         raise _fail(f"{sig.key}: tokens of length {length_hint}", f"shape {tokens.shape}")
     mask = sig.input("mask")
+    logits = sig.output("logits")
     known = {"tokens", "input_pos", "mask"}
     other = tuple(t.name for t in sig.inputs if t.name not in known and not _KV.match(t.name))
     if other:
@@ -196,8 +198,9 @@ def _signature(sig: SignatureIO, length_hint: int | None) -> Signature:
         length=length,
         has_mask=mask is not None,
         mask_shape=mask.shape if mask is not None else (),
-        has_logits=sig.output("logits") is not None,
+        has_logits=logits is not None,
         other_inputs=other,
+        logits_shape=logits.shape if logits is not None else (),
     )
 
 

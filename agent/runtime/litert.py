@@ -30,7 +30,7 @@ import numpy.typing as npt
 from agent.errors import AcceleratorError, BudgetError, ModelFormatError, RuntimeFailure
 from agent.profile import DeviceProfile
 from agent.runtime.layout import ModelLayout, Signature, Window, discover_layout
-from agent.runtime.memory import give_back_memory
+from agent.runtime.memory import give_back_memory, keep_large_buffers_mapped
 from agent.runtime.modelfile import ModelFile, read_model_file
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,11 @@ class Runner(Protocol):
     def read_rows(self, kv: KVCache, rows: int) -> dict[str, npt.NDArray[Any]]: ...
     def write_rows(self, kv: KVCache, arrays: Mapping[str, npt.NDArray[Any]]) -> None: ...
     def prefill(self, kv: KVCache, tokens: Sequence[int], start: int) -> None: ...
-    def decode(self, kv: KVCache, token: int, pos: int) -> Logits: ...
+    def decode(self, kv: KVCache, token: int, pos: int) -> Logits:
+        """The next token's logits: the runner's own array, which its next call overwrites
+        (copy it to keep it)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -324,13 +328,21 @@ class _BoundKV:
     maps: dict[str, tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=dict)
 
 
+def _aligned_floats(size: int) -> Logits:
+    """A float32 array at a 64-byte boundary: a host-memory TensorBuffer over any other
+    address would be a copy the runtime writes to instead."""
+    raw = np.zeros(size + 16, dtype=np.float32)
+    skip = (-raw.ctypes.data % 64) // raw.itemsize
+    return raw[skip : skip + size]
+
+
 @dataclass(slots=True)
 class _SigIO:
     tokens: Any
     input_pos: Any
     mask: Any | None
-    logits: Any | None
-    logits_size: int
+    logits: Any | None  # a TensorBuffer over `logits_array`: the runtime writes there
+    logits_array: Logits
     token_array: npt.NDArray[np.int32]  # reused host arrays for the small inputs
     pos_array: npt.NDArray[np.int32]
     pos_base: npt.NDArray[np.int32]
@@ -373,17 +385,21 @@ class _CompiledRunner(_RunnerBase[_BoundKV]):
         self._io = {s.key: self._make_io(s) for w in layout.all_windows() for s in w.signatures}
 
     def _make_io(self, sig: Signature) -> _SigIO:
+        from ai_edge_litert.tensor_buffer import TensorBuffer
+
         m = self._model
-        logits = m.create_output_buffer_by_name(sig.key, "logits") if sig.has_logits else None
-        size = 0
-        if logits is not None:
-            size = int(np.prod(logits.get_tensor_details()["shape"]))
+        logits, array = None, np.zeros(0, dtype=np.float32)
+        if sig.has_logits:
+            # Bound as the output, so a decode step writes its logits where the engine reads
+            # them: no copy and no 196 KB allocation per token (SmolLM's vocabulary).
+            array = _aligned_floats(int(np.prod(sig.logits_shape)))
+            logits = TensorBuffer.create_from_host_memory(array)
         return _SigIO(
             tokens=m.create_input_buffer_by_name(sig.key, "tokens"),
             input_pos=m.create_input_buffer_by_name(sig.key, "input_pos"),
             mask=m.create_input_buffer_by_name(sig.key, "mask") if sig.has_mask else None,
             logits=logits,
-            logits_size=size,
+            logits_array=array,
             token_array=np.zeros((1, sig.length), dtype=np.int32),
             pos_array=np.zeros(sig.length, dtype=np.int32),
             pos_base=np.arange(sig.length, dtype=np.int32),
@@ -463,8 +479,7 @@ class _CompiledRunner(_RunnerBase[_BoundKV]):
     def _logits(self, sig: Signature) -> Logits:
         io = self._io[sig.key]
         assert io.logits is not None  # discover_layout checked that decode outputs logits
-        out: Logits = io.logits.read(io.logits_size, np.float32)
-        return out
+        return io.logits_array
 
     def close(self) -> None:
         self._io.clear()
@@ -649,6 +664,7 @@ def load(
     profile sets `xnnpack_weight_cache_dir`; without both, the cache lives in memory.
     `kv_windows=False` runs only the full-length signatures of a file that has KV windows.
     """
+    keep_large_buffers_mapped()
     model = read_model_file(path)
     layout = discover_layout(model, context_length)
     if not kv_windows:
