@@ -15,7 +15,10 @@ import pytest
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from agent.pb.edge_agent.v1 import agent_pb2_grpc as pb_grpc
 from agent.rpc.client import Client, SessionEntry, build_request
+from agent.runtime import litert
 from tests.daemon_harness import Daemon
+
+P = f"p{litert.PREPARED_FORMAT}"  # the prepared copies' format, in their names
 
 
 def req(prompt: str = "def f(x):", n: int = 8, seed: int = 1, **kw) -> pb.GenerateRequest:
@@ -65,8 +68,8 @@ def test_the_generic_profile_gets_a_weight_cache_dir_from_the_daemon(
     sha = load_model_dir(tiny_model_dir).variant("int8").sha256
     cache = daemon.tmp / "state" / "cache" / "xnnpack"
     assert sorted(p.name for p in cache.iterdir()) == [
-        f"{sha}.p2-inlined.tflite",
-        f"{sha}.p2-inlined.xnnpack",
+        f"{sha}.{P}-inlined.tflite",
+        f"{sha}.{P}-inlined.xnnpack",
     ]
     assert dev_profile.runtime.xnnpack_weight_cache_dir is None
     monkeypatch.setenv("CACHE_DIRECTORY", "/var/cache/edge-agent:/var/cache/other")

@@ -18,6 +18,8 @@ from agent.runtime.layout import discover_layout
 from agent.runtime.modelfile import read_model_file
 from agent.toolchain.export import ExportOptions
 
+P = f"p{litert.PREPARED_FORMAT}"  # the prepared copies' format, in their names
+
 WINDOWS = (16, 32)
 PROMPT = [1, 17, 33, 5, 200, 9, 41, 42, 43, 7, 99, 120, 3, 18, 64, 65, 66, 12, 250, 8]
 
@@ -100,7 +102,7 @@ def test_saved_rows_restore_into_the_smallest_window(windowed, dev_profile) -> N
     _, _, long = _greedy(win, PROMPT[:6], 40)  # grown to the full length
     assert long.nbytes == kv_bytes(64)
     rows = win.read_rows(long, 12)
-    want = win.decode(long, 7, 12)
+    want = win.decode(long, 7, 12).copy()
     # a full-length cache restored with 12 rows goes down to window 16 and continues the same
     _, _, other = _greedy(win, PROMPT[3:9], 40)
     win.write_rows(other, rows)
@@ -205,13 +207,10 @@ def test_load_gives_a_single_length_model_windows_that_decode_the_same(
         loaded = litert.load(path, profile, cache_key="d" * 64)
     layout = loaded.runner.layout
     assert [w.length for w in layout.all_windows()] == [256, 512]
-    assert [s.key for s in layout.windows[0].signatures] == [
-        "kv256_prefill_8",
-        "kv256_prefill_32",
-        "kv256_decode",
-    ]
+    # one prefill length per window: the shortest of at least 32 tokens
+    assert [s.key for s in layout.windows[0].signatures] == ["kv256_prefill_32", "kv256_decode"]
     assert "KV windows [256] added and checked" in caplog.text
-    made = cache / f"{'d' * 64}.p2-inlined-kv256.tflite"
+    made = cache / f"{'d' * 64}.{P}-inlined-kv256.tflite"
     assert made.exists() and not died.path.exists()  # checked again, then named
     assert "model reopened to map them" in caplog.text  # packed on this load
     # a later load runs the same copy without rewriting or checking it again
@@ -256,7 +255,7 @@ def test_windows_are_refused_or_dropped_where_the_kv_length_is_ambiguous(
     assert done.windows == () and done.refused is not None
     assert "weight" in done.refused and "equal to the KV length 128" in done.refused
     assert load(int8, "c").runner.layout.windows == ()
-    reason = (cache / f"{'c' * 64}.p2.nowindows").read_text()
+    reason = (cache / f"{'c' * 64}.{P}.nowindows").read_text()
     assert "equal to the KV length 128" in reason
     assert load(int8, "c").runner.layout.windows == ()
     assert "model prepared" not in caplog.text and "an earlier load found weight" in caplog.text
@@ -266,7 +265,7 @@ def test_windows_are_refused_or_dropped_where_the_kv_length_is_ambiguous(
     assert loaded.runner.layout.windows == ()
     assert "KV windows not used" in caplog.text
     assert not list(cache.glob(f"{'e' * 64}*kv32-64.tflite*"))  # dropped
-    assert (cache / f"{'e' * 64}.p2.nowindows").exists()
+    assert (cache / f"{'e' * 64}.{P}.nowindows").exists()
     want, _, _ = _greedy(litert.load(fp32, make_profile(), kv_windows=False).runner, PROMPT, 60)
     got, _, _ = _greedy(loaded.runner, PROMPT, 60)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -274,7 +273,7 @@ def test_windows_are_refused_or_dropped_where_the_kv_length_is_ambiguous(
     assert again.runner.layout.windows == () and "KV windows [32, 64]" not in caplog.text
     assert "an earlier load found" in caplog.text
     assert sorted(f.name.split(".", 1)[1] for f in cache.iterdir() if f.name[0] == "e") == [
-        "p2-inlined.tflite",
-        "p2-inlined.xnnpack",
-        "p2.nowindows",
+        f"{P}-inlined.tflite",
+        f"{P}-inlined.xnnpack",
+        f"{P}.nowindows",
     ]

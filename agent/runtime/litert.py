@@ -730,13 +730,14 @@ def _first_line(exc: BaseException) -> str:
 def _affordable_windows(model: ModelFile, layout: ModelLayout, plan: MemoryPlan) -> tuple[int, ...]:
     """The KV windows to add at load (`auto_windows`) whose signatures fit the budget: a
     window's copy of a signature needs at most the activations of the full-length one."""
-    from agent.runtime.windows import auto_windows
+    from agent.runtime.windows import auto_windows, window_prefill
 
     acts = {s.key: s.activation_bytes for s in model.signatures}
     chosen: list[int] = []
     extra = 0
     for w in auto_windows(layout.context_length):
-        sigs = (layout.decode, *(p for p in layout.prefill if p.length < w))
+        n = window_prefill((p.length for p in layout.prefill), w)
+        sigs = (layout.decode, *(p for p in layout.prefill if p.length == n))
         cost = sum(acts.get(s.key, 0) for s in sigs)
         if plan.total + extra + cost > plan.budget:
             log.info("KV window %d not added: its activations would exceed the budget", w)
@@ -858,7 +859,7 @@ _CACHE_FILE = re.compile(
 
 # Bumped whenever `prepare_file` writes a different file for the same input, so that a copy
 # an older edge-agent left in the weight cache directory is made again, not reused.
-PREPARED_FORMAT: Final = 2
+PREPARED_FORMAT: Final = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -902,7 +903,7 @@ def _remember_no_windows(directory: Path, cache_key: str | None, reason: str) ->
 
 
 def _variant(fused: bool, windows: tuple[int, ...]) -> str:
-    """Names what was done to a prepared copy: ``p2-inlined-kv256-512``."""
+    """Names what was done to a prepared copy: ``p3-inlined-kv256-512``."""
     parts = [f"p{PREPARED_FORMAT}"] + (["inlined"] if fused else [])
     if windows:
         parts.append("kv" + "-".join(str(w) for w in windows))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 import numpy as np
@@ -35,6 +35,8 @@ from agent.runtime.schema import schema
 
 SMALLEST_WINDOW: Final = 256  # below this the full KV read is already a small part of a step
 SHAPE_OPERAND_MAX: Final = 8  # an int32 constant this short holding L is a shape operand
+# a prefill call's fixed cost is ~8 positions (docs/PERFORMANCE.md): a quarter of 32 tokens' work
+WINDOW_PREFILL_MIN: Final = 32
 _PREFILL = re.compile(r"^prefill(?:_(\d+))?$")
 _T = schema.TensorType
 _INTEGER: Final = frozenset({_T.INT32, _T.INT64})
@@ -56,6 +58,22 @@ _CALLS: Final = frozenset(
 
 class WindowsRefused(ModelFormatError):
     """The graph cannot be given KV windows safely; the message says why."""
+
+
+def window_prefill(lengths: Iterable[int], window: int) -> int | None:
+    """The one prefill length a window added at load gets: the shortest below the window of
+    at least `WINDOW_PREFILL_MIN` tokens, else the longest below it (None: no prefill fits).
+
+    Every signature costs memory of its own, whatever its KV length: its tensors and their
+    quantization tables, LiteRT's copy of its graph, XNNPACK's operators (~7.5 MiB each on
+    SmolLM-135M's shape, measured). A window is there for decode; one prefill length fills it
+    (a prompt that moves it up, a turn), and a longer one besides would make long prompts in a
+    window a little faster (docs/PERFORMANCE.md) for another ~7.5 MiB per window.
+    """
+    below = sorted(n for n in lengths if n < window)
+    if not below:
+        return None
+    return next((n for n in below if n >= WINDOW_PREFILL_MIN), below[-1])
 
 
 def auto_windows(kv_length: int) -> tuple[int, ...]:
@@ -185,8 +203,8 @@ def _clone(
 
 
 def add_windows(model: Any, length: int, windows: tuple[int, ...], read: Reader) -> tuple[int, ...]:
-    """Add ``kv<W>_decode`` and ``kv<W>_prefill_<N>`` (every N < W) to `model` (the flatbuffer
-    object API) for each W in `windows`; the windows added. `read` returns the bytes of a
+    """Add ``kv<W>_decode`` and ``kv<W>_prefill_<N>`` (N from `window_prefill`) to `model` (the
+    flatbuffer object API) for each W in `windows`; the windows added. `read` returns the bytes of a
     buffer stored after the flatbuffer (a large model's). Raises `WindowsRefused` (nothing
     changed) when the graph cannot be rewritten safely."""
     windows = tuple(sorted(w for w in windows if 1 < w < length))
@@ -203,7 +221,8 @@ def add_windows(model: Any, length: int, windows: tuple[int, ...], read: Reader)
     shared: dict[bytes, int] = {}
     try:
         for w in windows:
-            for key in ("decode", *sorted(k for k, n in prefill.items() if n < w)):
+            n = window_prefill(prefill.values(), w)
+            for key in ("decode", *sorted(k for k, m in prefill.items() if m == n)[:1]):
                 sig = copy.deepcopy(sigs[key])
                 model.subgraphs.append(
                     _clone(model, sigs[key].subgraphIndex, length, w, shared, read)
