@@ -70,6 +70,7 @@ def test_the_generic_profile_gets_a_weight_cache_dir_from_the_daemon(
     assert sorted(p.name for p in cache.iterdir()) == [
         f"{sha}.{P}-inlined.tflite",
         f"{sha}.{P}-inlined.xnnpack",
+        f"{sha}.parse.json",
     ]
     assert dev_profile.runtime.xnnpack_weight_cache_dir is None
     monkeypatch.setenv("CACHE_DIRECTORY", "/var/cache/edge-agent:/var/cache/other")

@@ -12,7 +12,8 @@ import pytest
 from agent.engine.engine import Engine
 from agent.engine.sampler import SamplingParams
 from agent.engine.types import GenerateRequest
-from agent.runtime import litert, windows
+from agent.runtime import layout as kv_layout
+from agent.runtime import litert
 from agent.runtime.inline import prepare_file
 from agent.runtime.layout import discover_layout
 from agent.runtime.modelfile import read_model_file
@@ -212,6 +213,9 @@ def test_load_gives_a_single_length_model_windows_that_decode_the_same(
     assert "KV windows [256] added and checked" in caplog.text
     made = cache / f"{'d' * 64}.{P}-inlined-kv256.tflite"
     assert made.exists() and not died.path.exists()  # checked again, then named
+    # what reading the model and its copy found is kept for the next start
+    readings = {f"{'d' * 64}{litert.PARSE_SUFFIX}", f"{made.stem}{litert.PARSE_SUFFIX}"}
+    assert readings <= {f.name for f in cache.iterdir()}
     assert "model reopened to map them" in caplog.text  # packed on this load
     # a later load runs the same copy without rewriting or checking it again
     caplog.clear()
@@ -240,8 +244,8 @@ def test_windows_are_refused_or_dropped_where_the_kv_length_is_ambiguous(
     positional tables and make a wrong graph: the check at load finds it, and the model runs
     its full length only, with the same tokens. Either outcome is remembered: later loads do
     not rewrite the model for windows again."""
-    monkeypatch.setattr(windows, "SMALLEST_WINDOW", 32)  # so that KV 128 gets windows 32, 64
-    assert windows.auto_windows(128) == (32, 64)
+    monkeypatch.setattr(kv_layout, "SMALLEST_WINDOW", 32)  # so that KV 128 gets windows 32, 64
+    assert kv_layout.auto_windows(128) == (32, 64)
     cache = tmp_path / "xnnpack"
     profile = make_profile(runtime={"xnnpack_weight_cache_dir": str(cache)})
 
@@ -276,4 +280,5 @@ def test_windows_are_refused_or_dropped_where_the_kv_length_is_ambiguous(
         f"{P}-inlined.tflite",
         f"{P}-inlined.xnnpack",
         f"{P}.nowindows",
+        "parse.json",
     ]

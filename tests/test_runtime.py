@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 import subprocess
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from agent.errors import AcceleratorError, BudgetError, ModelFormatError
-from agent.runtime import litert
+from agent.runtime import litert, modelfile
 from agent.runtime.layout import discover_layout
 from agent.runtime.memory import keep_large_buffers_mapped
 from agent.runtime.modelfile import read_model_file
@@ -74,6 +75,34 @@ PATHS = [pytest.param(False, id="compiled", marks=NOT_LEGACY), pytest.param(True
 RUN_LAYOUTS = [
     pytest.param(*row, marks=NOT_LEGACY if row[0] == "default" else ()) for row in LAYOUTS
 ]
+
+
+def test_a_kept_reading_of_a_model_is_used_only_for_the_same_file(
+    tiny_model_factory, tmp_path
+) -> None:
+    path = tmp_path / "model.tflite"
+    path.write_bytes(tiny_model_factory(layout="transposed", prefill_lens=(8,)).read_bytes())
+    kept = tmp_path / "cache" / "model.parse.json"
+    fresh = read_model_file(path, kept)
+    assert kept.exists() and read_model_file(path) == fresh
+    assert read_model_file(path, kept) == fresh  # read back: the same signatures, ops, weights
+    # it is used without reading the model: a changed reading of the same file is believed
+    text = kept.read_text()
+    kept.write_text(text.replace(f'"weight_bytes": {fresh.weight_bytes}', '"weight_bytes": 7'))
+    assert read_model_file(path, kept).weight_bytes == 7
+    # another file at the same path (a new modification time) is read again, and kept
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))
+    assert read_model_file(path, kept) == fresh
+    assert read_model_file(path, kept).weight_bytes == fresh.weight_bytes
+    # a reading that is not one (truncated, an older format) is read again too
+    kept.write_text(text[: len(text) // 2])
+    assert read_model_file(path, kept) == fresh
+    kept.write_text(text.replace(f"[{modelfile.PARSE_FORMAT}, ", "[0, ", 1))
+    assert read_model_file(path, kept) == fresh
+    # nowhere to keep it: the reading is still made
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    assert read_model_file(path, blocked / "model.parse.json") == fresh
 
 
 @pytest.mark.parametrize(("kv_layout", "prefill", "mask"), RUN_LAYOUTS)
@@ -353,8 +382,10 @@ def test_xnnpack_weight_cache_file_is_written_reused_and_pruned(
     # the fused model runs with its composites inlined: that file has its own packed weights
     cache = cache_dir / f"{'a' * 64}.{P}-inlined{litert.WEIGHT_CACHE_SUFFIX}"
     inlined = cache_dir / f"{'a' * 64}.{P}-inlined{litert.MODEL_SUFFIX}"
+    # what reading the model found is kept beside them
+    reading = cache_dir / f"{'a' * 64}{litert.PARSE_SUFFIX}"
     names = sorted(p.name for p in cache_dir.iterdir())
-    assert names == sorted([cache.name, inlined.name, theirs.name, mine.name])
+    assert names == sorted([cache.name, inlined.name, theirs.name, mine.name, reading.name])
     written = cache.stat()
     assert written.st_size > 0
     np.testing.assert_allclose(_decode_all(first.runner, PROMPT[:6]), want, rtol=1e-4, atol=1e-4)
@@ -365,6 +396,7 @@ def test_xnnpack_weight_cache_file_is_written_reused_and_pruned(
     # another model's files are pruned, the inlined copy included
     other = litert.load(path, profile, cache_key="b" * 64)
     assert not cache.exists() and not inlined.exists() and not mine.exists()
+    assert not reading.exists()
     assert theirs.exists()
     assert other.accelerator == "xnnpack"
 

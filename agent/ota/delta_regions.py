@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import mmap
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from agent.runtime.schema import schema
+if TYPE_CHECKING:  # imported where a delta is made: a board applying one never needs it
+    from agent.runtime.schema import schema
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,8 @@ def tflite_regions(data: bytes | mmap.mmap, label: str) -> list[Region] | None:
     size = len(data)
     if size < 8 or bytes(data[4:8]) != b"TFL3":
         return None
+    from agent.runtime.schema import schema
+
     try:
         model = schema.Model.GetRootAs(data, 0)
         keys = _buffer_keys(model)

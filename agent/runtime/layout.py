@@ -17,7 +17,9 @@ shorter KV length L (see `agent.toolchain.export`). Each window, and the full le
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Final
 
 from agent.errors import ModelFormatError
 from agent.runtime.modelfile import ModelFile, SignatureIO, TensorInfo
@@ -25,6 +27,10 @@ from agent.runtime.modelfile import ModelFile, SignatureIO, TensorInfo
 _PREFILL = re.compile(r"^prefill(?:_(\d+))?$")
 _WINDOW = re.compile(r"^kv(\d+)_(decode|prefill(?:_\d+)?)$")
 _KV = re.compile(r"^kv_cache_([kv])_(\d+)$")
+# Windows a single-length model gets at load (`agent.runtime.windows` adds them):
+SMALLEST_WINDOW: Final = 256  # below this the full KV read is already a small part of a step
+# a prefill call's fixed cost is ~8 positions (docs/PERFORMANCE.md): a quarter of 32 tokens' work
+WINDOW_PREFILL_MIN: Final = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,3 +272,29 @@ def _windows(by_key: dict[str, SignatureIO], full: KVLayout, vocab: int) -> tupl
                 prefill.append(p)
         windows.append(Window(decode, tuple(sorted(prefill, key=lambda s: s.length)), kv))
     return tuple(windows)
+
+
+def window_prefill(lengths: Iterable[int], window: int) -> int | None:
+    """The one prefill length a window added at load gets: the shortest below the window of
+    at least `WINDOW_PREFILL_MIN` tokens, else the longest below it (None: no prefill fits).
+
+    Every signature costs memory of its own, whatever its KV length: its tensors and their
+    quantization tables, LiteRT's copy of its graph, XNNPACK's operators (~7.5 MiB each on
+    SmolLM-135M's shape, measured). A window is there for decode; one prefill length fills it
+    (a prompt that moves it up, a turn), and a longer one besides would make long prompts in a
+    window a little faster (docs/PERFORMANCE.md) for another ~7.5 MiB per window.
+    """
+    below = sorted(n for n in lengths if n < window)
+    if not below:
+        return None
+    return next((n for n in below if n >= WINDOW_PREFILL_MIN), below[-1])
+
+
+def auto_windows(kv_length: int) -> tuple[int, ...]:
+    """The windows a KV length gets: 256, 512, ... up to half of it (none below 512)."""
+    out: list[int] = []
+    w = SMALLEST_WINDOW
+    while 2 * w <= kv_length:
+        out.append(w)
+        w *= 2
+    return tuple(out)

@@ -29,7 +29,14 @@ import numpy.typing as npt
 
 from agent.errors import AcceleratorError, BudgetError, ModelFormatError, RuntimeFailure
 from agent.profile import DeviceProfile
-from agent.runtime.layout import ModelLayout, Signature, Window, discover_layout
+from agent.runtime.layout import (
+    ModelLayout,
+    Signature,
+    Window,
+    auto_windows,
+    discover_layout,
+    window_prefill,
+)
 from agent.runtime.memory import give_back_memory, keep_large_buffers_mapped
 from agent.runtime.modelfile import ModelFile, read_model_file
 
@@ -665,7 +672,7 @@ def load(
     `kv_windows=False` runs only the full-length signatures of a file that has KV windows.
     """
     keep_large_buffers_mapped()
-    model = read_model_file(path)
+    model = read_model_file(path, _parse_cache(profile, cache_key))
     layout = discover_layout(model, context_length)
     if not kv_windows:
         layout = replace(layout, windows=())
@@ -730,8 +737,6 @@ def _first_line(exc: BaseException) -> str:
 def _affordable_windows(model: ModelFile, layout: ModelLayout, plan: MemoryPlan) -> tuple[int, ...]:
     """The KV windows to add at load (`auto_windows`) whose signatures fit the budget: a
     window's copy of a signature needs at most the activations of the full-length one."""
-    from agent.runtime.windows import auto_windows, window_prefill
-
     acts = {s.key: s.activation_bytes for s in model.signatures}
     chosen: list[int] = []
     extra = 0
@@ -778,7 +783,7 @@ def _prepare(
     prepared = prepared_model(path, profile, cache_key, model.fused, windows, n)
     if not prepared.windows:
         return prepared, (layout, plan)
-    made = read_model_file(prepared.path)
+    made = read_model_file(prepared.path, _parse_cache(profile, prepared.cache_key))
     made_layout = discover_layout(made, n)
     made_plan = plan_memory(made, made_layout, profile)
     if made_plan.total > made_plan.budget:
@@ -806,6 +811,7 @@ def _check_new_windows(runner: Runner, prepared: PreparedModel) -> None:
     log.warning("KV windows not used: %s; running the full length only", problem)
     runner.layout = replace(runner.layout, windows=())
     prepared.path.unlink(missing_ok=True)
+    prepared.path.with_name(f"{prepared.cache_key}{PARSE_SUFFIX}").unlink(missing_ok=True)
     _remember_no_windows(prepared.path.parent, prepared.cache_key, problem)
 
 
@@ -851,10 +857,11 @@ WEIGHT_CACHE_SUFFIX: Final = ".xnnpack"
 MODEL_SUFFIX: Final = ".tflite"
 UNCHECKED_SUFFIX: Final = ".unchecked"  # a copy with windows before its first-load check
 NO_WINDOWS_SUFFIX: Final = ".nowindows"  # why a model's windows were refused or failed
+PARSE_SUFFIX: Final = ".parse.json"  # what reading a model file found (`read_model_file`)
 # files the runtime keeps in a weight cache directory: <sha256>[.<variant>].xnnpack|.tflite,
-# <sha256>.<variant>.tflite.unchecked and <sha256>.p<format>.nowindows
+# <sha256>.<variant>.tflite.unchecked, <sha256>.p<format>.nowindows, <sha256>[.<variant>].parse.json
 _CACHE_FILE = re.compile(
-    r"^[0-9a-f]{64}(\.[a-z0-9-]+)?\.(xnnpack|tflite|tflite\.unchecked|nowindows)$"
+    r"^[0-9a-f]{64}(\.[a-z0-9-]+)?\.(xnnpack|tflite|tflite\.unchecked|nowindows|parse\.json)$"
 )
 
 # Bumped whenever `prepare_file` writes a different file for the same input, so that a copy
@@ -884,7 +891,17 @@ def _keep_files(cache_key: str) -> set[str]:
         model,
         model + UNCHECKED_SUFFIX,
         _no_windows_name(cache_key),
+        f"{cache_key}{PARSE_SUFFIX}",
+        f"{cache_key.split('.', 1)[0]}{PARSE_SUFFIX}",  # the model file's own
     }
+
+
+def _parse_cache(profile: DeviceProfile, cache_key: str | None) -> Path | None:
+    """Where a reading of the file named `cache_key` is kept: beside its packed weights."""
+    directory = profile.runtime.xnnpack_weight_cache_dir
+    if directory is None or cache_key is None:
+        return None
+    return directory / f"{cache_key}{PARSE_SUFFIX}"
 
 
 def _no_windows_name(cache_key: str | None) -> str:
@@ -927,8 +944,6 @@ def prepared_model(
     if directory is None or cache_key is None:
         log.info("model not prepared for XNNPACK: the profile sets no xnnpack_weight_cache_dir")
         return unchanged
-    from agent.runtime.inline import prepare_file
-
     refused = directory / _no_windows_name(cache_key)
     if windows and refused.exists():
         reason = refused.read_text(errors="replace").strip()
@@ -942,6 +957,8 @@ def prepared_model(
         directory.mkdir(parents=True, exist_ok=True)
         if target.exists():  # made (and checked) by an earlier load
             return PreparedModel(target, key, windows)
+        from agent.runtime.inline import prepare_file  # the flatbuffer schema: only to write
+
         done = prepare_file(path, write, windows, kv_length)
     except (OSError, ModelFormatError, ValueError, AttributeError) as exc:
         log.warning("model not prepared for XNNPACK (%s); loading %s as it is", exc, path.name)

@@ -25,18 +25,16 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
 
 from agent.errors import ModelFormatError
+from agent.runtime.layout import window_prefill
 from agent.runtime.schema import schema
 
-SMALLEST_WINDOW: Final = 256  # below this the full KV read is already a small part of a step
 SHAPE_OPERAND_MAX: Final = 8  # an int32 constant this short holding L is a shape operand
-# a prefill call's fixed cost is ~8 positions (docs/PERFORMANCE.md): a quarter of 32 tokens' work
-WINDOW_PREFILL_MIN: Final = 32
 _PREFILL = re.compile(r"^prefill(?:_(\d+))?$")
 _T = schema.TensorType
 _INTEGER: Final = frozenset({_T.INT32, _T.INT64})
@@ -58,32 +56,6 @@ _CALLS: Final = frozenset(
 
 class WindowsRefused(ModelFormatError):
     """The graph cannot be given KV windows safely; the message says why."""
-
-
-def window_prefill(lengths: Iterable[int], window: int) -> int | None:
-    """The one prefill length a window added at load gets: the shortest below the window of
-    at least `WINDOW_PREFILL_MIN` tokens, else the longest below it (None: no prefill fits).
-
-    Every signature costs memory of its own, whatever its KV length: its tensors and their
-    quantization tables, LiteRT's copy of its graph, XNNPACK's operators (~7.5 MiB each on
-    SmolLM-135M's shape, measured). A window is there for decode; one prefill length fills it
-    (a prompt that moves it up, a turn), and a longer one besides would make long prompts in a
-    window a little faster (docs/PERFORMANCE.md) for another ~7.5 MiB per window.
-    """
-    below = sorted(n for n in lengths if n < window)
-    if not below:
-        return None
-    return next((n for n in below if n >= WINDOW_PREFILL_MIN), below[-1])
-
-
-def auto_windows(kv_length: int) -> tuple[int, ...]:
-    """The windows a KV length gets: 256, 512, ... up to half of it (none below 512)."""
-    out: list[int] = []
-    w = SMALLEST_WINDOW
-    while 2 * w <= kv_length:
-        out.append(w)
-        w *= 2
-    return tuple(out)
 
 
 def _key(sig: Any) -> str:
