@@ -47,6 +47,21 @@ def test_the_layout_lists_each_window_with_its_own_signatures(windowed) -> None:
     assert [layout.window_for(n) for n in (0, 16, 17, 32, 33, 64)] == [0, 0, 1, 1, 2, 2]
 
 
+@pytest.mark.parametrize(
+    ("lengths", "window", "want"),
+    [
+        ((32, 128, 512), 256, 32),  # SmolLM's exports: 32 serves every window
+        ((8, 32, 128, 512), 2048, 32),  # not 8: a long prompt would take 8 tokens a call
+        ((64, 128), 256, 64),
+        ((8,), 16, 8),  # nothing of 32 or more fits: the longest that does
+        ((8, 16), 32, 16),
+        ((32, 128), 32, None),  # none shorter than the window
+    ],
+)
+def test_a_window_added_at_load_gets_one_prefill_length(lengths, window, want) -> None:
+    assert kv_layout.window_prefill(lengths, window) == want
+
+
 def test_the_export_refuses_windows_that_are_not_shorter() -> None:
     with pytest.raises(ValueError, match="decode windows"):
         ExportOptions(kv_max=64, prefill_lens=(8,), decode_windows=(64,))

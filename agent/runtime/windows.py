@@ -1,5 +1,6 @@
-"""Give a single-length export KV windows at load time: its ``decode`` and ``prefill_<N>``
-graphs cloned over shorter KV lengths, sharing every weight.
+"""Give a single-length export KV windows at load time: its ``decode`` graph and one
+``prefill_<N>`` graph (`agent.runtime.layout.window_prefill`) cloned over shorter KV lengths,
+sharing every weight.
 
 A file exported with windows (`agent.toolchain.export`, ``decode_windows``) holds
 ``kv<W>_decode`` and ``kv<W>_prefill_<N>`` beside the full-length signatures, and the runtime
