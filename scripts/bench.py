@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             t, p, _ = prefill(engine, p448)
             ttft448.append(t)
             pf448.append(p)
-        row = {
+        row: dict[str, Any] = {
             "file_mib": variant.size / 2**20,
             "bare_ms": med(bare),
             "engine_ms": med(eng),

@@ -162,7 +162,9 @@ def recalibrate(base: Path, out: Path, factor: float = 0.97) -> str:
 
 
 def retokenize(base: Path, out: Path, seed: int) -> str:
-    from sentencepiece import sentencepiece_model_pb2 as spm
+    from sentencepiece import sentencepiece_model_pb2
+
+    spm: Any = sentencepiece_model_pb2  # generated protobuf code: no types to check against
 
     rng = np.random.default_rng(seed)
     proto = spm.ModelProto()
