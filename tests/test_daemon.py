@@ -298,6 +298,14 @@ def test_sighup_reload_under_load_switches_model_without_failures(tiny_model_dir
         assert not failures, failures[:3]
         assert c.info()["quantization"] == "int8"
         assert c.health() == "SERVING"
+        # the int8 model loaded beside the fp32 one, which kept its prepared files: a rollback
+        # (or a restart on it) starts from them; the next load prunes them
+        from agent.modeldir import load_model_dir
+
+        meta = load_model_dir(tiny_model_dir)
+        cache = d.tmp / "state" / "cache" / "xnnpack"
+        kept = {f.name.split(".", 1)[0] for f in cache.iterdir()}
+        assert kept == {meta.variant(q).sha256 for q in ("fp32", "int8")}
     finally:
         assert d.stop() == 0, d.read_log()
 

@@ -288,6 +288,7 @@ def test_windows_are_refused_or_dropped_where_the_kv_length_is_ambiguous(
     want, _, _ = _greedy(litert.load(fp32, make_profile(), kv_windows=False).runner, PROMPT, 60)
     got, _, _ = _greedy(loaded.runner, PROMPT, 60)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    loaded.runner.close()  # while it runs, its files (the packed windows copy) are kept
     again = load(fp32, "e")  # the inlined copy without windows, made once
     assert again.runner.layout.windows == () and "KV windows [32, 64]" not in caplog.text
     assert "an earlier load found" in caplog.text

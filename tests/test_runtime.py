@@ -376,6 +376,13 @@ def test_xnnpack_weight_cache_file_is_written_reused_and_pruned(
     mine.write_text("why its windows failed")
     theirs = cache_dir / "model.tflite"  # not named like the runtime's files: never removed
     theirs.write_bytes(b"someone else's file")
+    # what loads killed while writing left: a prepared copy, a reading (mkstemp's name)
+    killed = [
+        cache_dir / f"{'0' * 64}.{P}-inlined.tflite.tmp",
+        cache_dir / f"{'a' * 64}{litert.PARSE_SUFFIX}k3_x9abq.tmp",
+    ]
+    for leftover in killed:
+        leftover.write_bytes(b"half written")
     want = _decode_all(litert.load(path, make_profile()).runner, PROMPT[:6])
 
     first = litert.load(path, profile, cache_key="a" * 64)
@@ -384,7 +391,7 @@ def test_xnnpack_weight_cache_file_is_written_reused_and_pruned(
     inlined = cache_dir / f"{'a' * 64}.{P}-inlined{litert.MODEL_SUFFIX}"
     # what reading the model found is kept beside them
     reading = cache_dir / f"{'a' * 64}{litert.PARSE_SUFFIX}"
-    names = sorted(p.name for p in cache_dir.iterdir())
+    names = sorted(p.name for p in cache_dir.iterdir())  # stale files and leftovers pruned
     assert names == sorted([cache.name, inlined.name, theirs.name, mine.name, reading.name])
     written = cache.stat()
     assert written.st_size > 0
@@ -393,12 +400,20 @@ def test_xnnpack_weight_cache_file_is_written_reused_and_pruned(
     second = litert.load(path, profile, cache_key="a" * 64)
     assert cache.stat().st_mtime_ns == written.st_mtime_ns
     np.testing.assert_allclose(_decode_all(second.runner, PROMPT[:6]), want, rtol=1e-4, atol=1e-4)
-    # another model's files are pruned, the inlined copy included
+    # another model loaded beside it (an update) leaves the files of the one still running:
+    # a rollback starts from them
     other = litert.load(path, profile, cache_key="b" * 64)
+    assert other.accelerator == "xnnpack"
+    assert cache.exists() and inlined.exists() and mine.exists() and reading.exists()
+    # once its runners are closed, the next load prunes them, the inlined copy included
+    first.runner.close()
+    assert cache.exists()  # one runner still runs it
+    second.runner.close()
+    other.runner.close()
+    litert.load(path, profile, cache_key="b" * 64).runner.close()
     assert not cache.exists() and not inlined.exists() and not mine.exists()
     assert not reading.exists()
     assert theirs.exists()
-    assert other.accelerator == "xnnpack"
 
 
 @NOT_LEGACY

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -45,6 +46,11 @@ log = logging.getLogger(__name__)
 Logits = npt.NDArray[np.float32]
 _NEG = np.float32(-np.inf)
 MIB = 1 << 20
+# <weight cache dir>/<cache key> of the models this process runs, with how many runners run
+# each: their files outlive loads of other models into the directory (`weight_cache_path`)
+_in_use: dict[Path, int] = {}
+_in_use_lock = threading.Lock()
+
 _K = TypeVar("_K")
 
 
@@ -177,6 +183,25 @@ class _RunnerBase(Generic[_K]):
     layout: ModelLayout
     accelerator: str
     _kv_type: type[_K]
+    _held: Path | None = None  # <weight cache dir>/<cache key> of the files it runs
+
+    def hold_cache_files(self, directory: Path | None, cache_key: str | None) -> None:
+        """Keep the files of `cache_key` in weight cache `directory` while this runner is open:
+        another load into the directory (an update loaded beside this model) prunes the rest."""
+        if directory is None or cache_key is None or self._held is not None:
+            return
+        self._held = key = directory / cache_key
+        with _in_use_lock:
+            _in_use[key] = _in_use.get(key, 0) + 1
+
+    def _release_cache_files(self) -> None:
+        key, self._held = self._held, None
+        if key is None:
+            return
+        with _in_use_lock:
+            left = _in_use.pop(key, 0) - 1
+            if left > 0:
+                _in_use[key] = left
 
     def _run(self, sig: Signature, kv: _K, tokens: Sequence[int], pos: int) -> None:
         raise NotImplementedError
@@ -491,6 +516,7 @@ class _CompiledRunner(_RunnerBase[_BoundKV]):
     def close(self) -> None:
         self._io.clear()
         self._model.close()
+        self._release_cache_files()
 
 
 # ----------------------------------------------------------------------------- Interpreter
@@ -614,6 +640,7 @@ class _InterpreterRunner(_RunnerBase[_HostKV]):
 
     def close(self) -> None:
         self._owner.clear()
+        self._release_cache_files()
 
 
 # ----------------------------------------------------------------------------- loading
@@ -859,9 +886,12 @@ UNCHECKED_SUFFIX: Final = ".unchecked"  # a copy with windows before its first-l
 NO_WINDOWS_SUFFIX: Final = ".nowindows"  # why a model's windows were refused or failed
 PARSE_SUFFIX: Final = ".parse.json"  # what reading a model file found (`read_model_file`)
 # files the runtime keeps in a weight cache directory: <sha256>[.<variant>].xnnpack|.tflite,
-# <sha256>.<variant>.tflite.unchecked, <sha256>.p<format>.nowindows, <sha256>[.<variant>].parse.json
+# <sha256>.<variant>.tflite.unchecked, <sha256>.p<format>.nowindows,
+# <sha256>[.<variant>].parse.json; and what a load killed while writing one leaves:
+# <name>.tmp (a prepared copy), <name><mkstemp's 8 characters>.tmp (a reading)
 _CACHE_FILE = re.compile(
-    r"^[0-9a-f]{64}(\.[a-z0-9-]+)?\.(xnnpack|tflite|tflite\.unchecked|nowindows|parse\.json)$"
+    r"^[0-9a-f]{64}(\.[a-z0-9-]+)?\.(xnnpack|tflite|tflite\.unchecked|nowindows|parse\.json)"
+    r"([a-z0-9_]{8})?(\.tmp)?$"
 )
 
 # Bumped whenever `prepare_file` writes a different file for the same input, so that a copy
@@ -978,7 +1008,8 @@ def weight_cache_path(profile: DeviceProfile, cache_key: str | None) -> str:
     `CpuOptions.xnnpack_weight_cache_path` is a file (a directory makes XNNPACK log an error and
     run without a cache). Files of other models (and other variants of this one) in the
     directory are removed: one model's packed weights are as large as the model, and an update
-    leaves the old ones unused.
+    leaves the old ones unused. Kept: the files of models this process still runs (an update
+    loaded beside the serving model must not take the files a rollback would start from).
     """
     directory = profile.runtime.xnnpack_weight_cache_dir
     if directory is None or cache_key is None:
@@ -988,7 +1019,10 @@ def weight_cache_path(profile: DeviceProfile, cache_key: str | None) -> str:
         directory.mkdir(parents=True, exist_ok=True)
         if not os.access(directory, os.W_OK | os.X_OK) and not target.exists():
             raise PermissionError(f"{directory} is not writable")
-        keep = _keep_files(cache_key)  # its packed weights, its copy, its windows' outcome
+        with _in_use_lock:
+            running = {cache_key, *(k.name for k in _in_use if k.parent == directory)}
+        # their packed weights, their copies, their windows' outcomes
+        keep = set().union(*map(_keep_files, running))
         for old in directory.iterdir():
             if _CACHE_FILE.match(old.name) and old.name not in keep:
                 old.unlink(missing_ok=True)
@@ -1027,6 +1061,7 @@ def _open(
     cache = weight_cache_path(profile, prepared.cache_key) if acc == "xnnpack" else None
     if prefer_interpreter:
         runner = _InterpreterRunner(path, layout, acc, threads, None, profile.runtime.backend)
+        runner.hold_cache_files(profile.runtime.xnnpack_weight_cache_dir, prepared.cache_key)
         return runner, "interpreter"
     packing = cache not in (None, IN_MEMORY_WEIGHT_CACHE) and not os.path.exists(str(cache))
     compiled = _CompiledRunner(path, layout, acc, threads, cache, None)
@@ -1038,4 +1073,5 @@ def _open(
         give_back_memory()
         log.info("weights packed to %s; model reopened to map them", cache)
         compiled = _CompiledRunner(path, layout, acc, threads, cache, None)
+    compiled.hold_cache_files(profile.runtime.xnnpack_weight_cache_dir, prepared.cache_key)
     return compiled, "compiled"
