@@ -298,3 +298,33 @@ def test_windows_are_refused_or_dropped_where_the_kv_length_is_ambiguous(
         f"{P}.nowindows",
         "parse.json",
     ]
+
+
+def test_the_memory_estimate_counts_the_windows_a_load_adds(
+    tiny_model_factory, make_profile, tmp_path
+) -> None:
+    """The daemon decides from `estimate_memory` whether an update loads beside the serving
+    model; the estimate must not be below what the load then plans."""
+    from agent.engine.engine import estimate_memory
+    from agent.modeldir import load_model_dir
+
+    d = tiny_model_factory.model_dir(quantizations=("int8",), prefill_lens=(8, 32), kv_max=512)
+    cache = tmp_path / "xnnpack"
+    profile = make_profile(runtime={"xnnpack_weight_cache_dir": str(cache)})
+    off = make_profile(runtime={"xnnpack_weight_cache_dir": str(cache), "kv_windows": False})
+    estimate, without = estimate_memory(profile, d, "int8"), estimate_memory(off, d, "int8")
+    # the reading it made is kept where the load looks for it
+    sha = load_model_dir(d).variant("int8").sha256
+    assert (cache / f"{sha}{litert.PARSE_SUFFIX}").exists()
+    engine = Engine(profile, d, quantization="int8")
+    try:
+        loaded = engine.loaded.memory
+        assert [w.length for w in engine.loaded.runner.layout.windows] == [256]
+        assert without < loaded.total <= estimate
+    finally:
+        engine.close()
+    plain = Engine(off, d, quantization="int8")
+    try:
+        assert plain.loaded.memory.total == without
+    finally:
+        plain.close()

@@ -722,15 +722,18 @@ class Engine:
 def estimate_memory(
     profile: DeviceProfile, model_dir: Path, quantization: str | None = None
 ) -> int:
-    """Bytes an engine for this model would plan for one session, without loading it."""
+    """Bytes an engine for this model would plan for one session, without loading it: the KV
+    windows its load would add included (`litert.expected_plan`). The reading of the file is
+    kept where its load will look for it."""
     from agent.runtime.layout import discover_layout
     from agent.runtime.modelfile import read_model_file
 
     meta = load_model_dir(model_dir)
     quant = quantization or choose_quantization(profile, [v.quantization for v in meta.variants])
-    model = read_model_file(meta.path_of(meta.variant(quant)))
+    variant = meta.variant(quant)
+    model = read_model_file(meta.path_of(variant), litert.parse_cache(profile, variant.sha256))
     layout = discover_layout(model, meta.context_length)
-    return litert.plan_memory(model, layout, profile).total
+    return litert.expected_plan(model, layout, profile).total
 
 
 def _empty_stats(p: _Prepared) -> RequestStats:

@@ -699,7 +699,7 @@ def load(
     `kv_windows=False` runs only the full-length signatures of a file that has KV windows.
     """
     keep_large_buffers_mapped()
-    model = read_model_file(path, _parse_cache(profile, cache_key))
+    model = read_model_file(path, parse_cache(profile, cache_key))
     layout = discover_layout(model, context_length)
     if not kv_windows:
         layout = replace(layout, windows=())
@@ -761,9 +761,12 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _affordable_windows(model: ModelFile, layout: ModelLayout, plan: MemoryPlan) -> tuple[int, ...]:
-    """The KV windows to add at load (`auto_windows`) whose signatures fit the budget: a
-    window's copy of a signature needs at most the activations of the full-length one."""
+def _affordable_windows(
+    model: ModelFile, layout: ModelLayout, plan: MemoryPlan
+) -> tuple[tuple[int, ...], int]:
+    """The KV windows to add at load (`auto_windows`) whose signatures fit the budget, and the
+    activation bytes they add at most: a window's copy of a signature needs at most the
+    activations of the full-length one."""
     acts = {s.key: s.activation_bytes for s in model.signatures}
     chosen: list[int] = []
     extra = 0
@@ -776,7 +779,36 @@ def _affordable_windows(model: ModelFile, layout: ModelLayout, plan: MemoryPlan)
             break
         extra += cost
         chosen.append(w)
-    return tuple(chosen)
+    return tuple(chosen), extra
+
+
+def _adds_windows(
+    profile: DeviceProfile, layout: ModelLayout, kv_windows: bool, interpreter: bool
+) -> bool:
+    """Whether a load gives this model KV windows: a single-length model on the CompiledModel
+    CPU path (the Interpreter would allocate each window's KV once per signature) with a weight
+    cache directory to keep the prepared copy in, unless the profile or the caller turns them
+    off."""
+    return (
+        kv_windows
+        and profile.runtime.kv_windows
+        and profile.runtime.xnnpack_weight_cache_dir is not None
+        and profile.runtime.backend != LEGACY_BACKEND
+        and bool({"xnnpack", "cpu"} & set(profile.runtime.accelerators))
+        and not layout.windows
+        and not interpreter
+    )
+
+
+def expected_plan(model: ModelFile, layout: ModelLayout, profile: DeviceProfile) -> MemoryPlan:
+    """What `load` will plan for this model, counted without loading it: `plan_memory` plus the
+    activations of the KV windows the load would add (at most; the windows' own signatures
+    need no more than the full-length ones)."""
+    plan = plan_memory(model, layout, profile)
+    if not _adds_windows(profile, layout, kv_windows=True, interpreter=False):
+        return plan
+    _windows, extra = _affordable_windows(model, layout, plan)
+    return replace(plan, activations=plan.activations + extra)
 
 
 def _prepare(
@@ -802,15 +834,15 @@ def _prepare(
     if profile.runtime.backend == LEGACY_BACKEND or not {"xnnpack", "cpu"} & set(chain):
         return unchanged
     windows: tuple[int, ...] = ()
-    if kv_windows and profile.runtime.kv_windows and not layout.windows and not interpreter:
-        windows = _affordable_windows(model, layout, plan)
+    if _adds_windows(profile, layout, kv_windows, interpreter):
+        windows, _extra = _affordable_windows(model, layout, plan)
     if not (model.fused or windows):
         return unchanged
     n = layout.context_length
     prepared = prepared_model(path, profile, cache_key, model.fused, windows, n)
     if not prepared.windows:
         return prepared, (layout, plan)
-    made = read_model_file(prepared.path, _parse_cache(profile, prepared.cache_key))
+    made = read_model_file(prepared.path, parse_cache(profile, prepared.cache_key))
     made_layout = discover_layout(made, n)
     made_plan = plan_memory(made, made_layout, profile)
     if made_plan.total > made_plan.budget:
@@ -926,7 +958,7 @@ def _keep_files(cache_key: str) -> set[str]:
     }
 
 
-def _parse_cache(profile: DeviceProfile, cache_key: str | None) -> Path | None:
+def parse_cache(profile: DeviceProfile, cache_key: str | None) -> Path | None:
     """Where a reading of the file named `cache_key` is kept: beside its packed weights."""
     directory = profile.runtime.xnnpack_weight_cache_dir
     if directory is None or cache_key is None:
