@@ -923,7 +923,7 @@ PARSE_SUFFIX: Final = ".parse.json"  # what reading a model file found (`read_mo
 # <name>.tmp (a prepared copy), <name><mkstemp's 8 characters>.tmp (a reading)
 _CACHE_FILE = re.compile(
     r"^[0-9a-f]{64}(\.[a-z0-9-]+)?\.(xnnpack|tflite|tflite\.unchecked|nowindows|parse\.json)"
-    r"([a-z0-9_]{8})?(\.tmp)?$"
+    r"(([a-z0-9_]{8})?\.tmp)?$"
 )
 
 # Bumped whenever `prepare_file` writes a different file for the same input, so that a copy
