@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """The kernel ceiling of a decode step: XNNPACK's quantized FULLY_CONNECTED kernels alone.
 
-A `.tflite` holding only the weight matrices of SmolLM-135M (per layer q 576->576, k and v
-576->192, o 576->576, gate and up 576->1536, down 1536->576; 30 layers; lm head 576->49152),
-chained at batch 1 with one CONCATENATION and two ADDs per layer and nothing else: no
-attention, no KV cache, no norms. Converted with litert-torch, quantized with the toolchain's
-own `quantize_bytes` (int8 per channel, int4 block 32: the weights of our LLMs), run through
-ai-edge-litert's CompiledModel on the XNNPACK CPU path exactly as `_CompiledRunner` does.
+A `.tflite` holding only the weight matrices of SmolLM-135M as our export writes them (per
+layer qkv 576->960: q, k and v in one matrix; o 576->576, gate and up 576->1536, down
+1536->576; 30 layers; lm head 576->49152: 151 FULLY_CONNECTED ops, as in the model's decode
+graph), chained at batch 1 with the slices, one CONCATENATION and two ADDs per layer and
+nothing else: no attention, no KV cache, no norms. Converted with litert-torch, quantized with
+the toolchain's own `quantize_bytes` (int8 per channel, int4 block 32: the weights of our
+LLMs), run through ai-edge-litert's CompiledModel on the XNNPACK CPU path exactly as
+`_CompiledRunner` does.
 Reports ms per pass and the weight bytes streamed per second, next to the measured read
 bandwidth (`bench_peer.read_bandwidth`) in the same run.
 
@@ -43,10 +45,9 @@ RESULT = ROOT / "docs" / "bench" / "gemv.json"
 LOCK = Path("/tmp/bench.lock")
 QUANTS = ("int8", "int4_block32")
 DIM = 576
-LAYER_SHAPES = {  # name: (in, out), as in SmolLM-135M
-    "q": (576, 576),
-    "k": (576, 192),
-    "v": (576, 192),
+Q, KV = 576, 192  # q's and each of k's and v's outputs
+LAYER_SHAPES = {  # name: (in, out), as in SmolLM-135M exported by the toolchain
+    "qkv": (576, Q + 2 * KV),
     "o": (576, 576),
     "gate": (576, 1536),
     "up": (576, 1536),
@@ -64,7 +65,7 @@ RETRY_PAUSE_S = 10.0
 
 
 def _chain_module(layers: int) -> Any:
-    """The torch module: per layer ``x = o(q(x) + cat(k(x), v(x), k(x)))``, then
+    """The torch module: per layer ``q, k, v = qkv(x)``, ``x = o(q + cat(k, v, k))``, then
     ``x = down(gate(x) + up(x))``; ``logits = head(x)``. Every weight is used once."""
     import torch
     from torch import nn
@@ -87,8 +88,8 @@ def _chain_module(layers: int) -> Any:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             w = self.w
-            k = w["k"](x)
-            x = w["o"](w["q"](x) + torch.cat([k, w["v"](x), k], dim=-1))
+            q, k, v = w["qkv"](x).split([Q, KV, KV], dim=-1)
+            x = w["o"](q + torch.cat([k, v, k], dim=-1))
             return w["down"](w["gate"](x) + w["up"](x))  # type: ignore[no-any-return]
 
     class Chain(nn.Module):
@@ -141,7 +142,7 @@ def _write_atomic(out: Path, data: bytes) -> None:
 
 
 def model_path(quant: str, out_dir: Path, layers: int = LAYERS) -> Path:
-    return out_dir / f"gemv_l{layers}_{quant}.tflite"
+    return out_dir / f"gemv_qkv_l{layers}_{quant}.tflite"
 
 
 def build(quant: str, out_dir: Path, layers: int = LAYERS) -> Path:
@@ -151,7 +152,7 @@ def build(quant: str, out_dir: Path, layers: int = LAYERS) -> Path:
         return out
     from agent.toolchain.quantize import quantize_bytes
 
-    fp32 = _convert_fp32(out_dir / f"gemv_l{layers}_fp32.tflite", layers)
+    fp32 = _convert_fp32(out_dir / f"gemv_qkv_l{layers}_fp32.tflite", layers)
     t0 = time.monotonic()
     _write_atomic(out, quantize_bytes(fp32.read_bytes(), quant))
     print(f"[gemv] quantized {out.name}: {out.stat().st_size / 1e6:.1f} MB "
