@@ -38,6 +38,7 @@ from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from agent.profile import DeviceProfile, choose_quantization, resolve_profile
 from agent.rpc.server import Server
+from agent.runtime.litert import prune_weight_cache
 from agent.status import AgentStatus, rss_bytes
 from agent.systemd import Notifier
 
@@ -233,6 +234,15 @@ class Daemon:
     def report(self, status: fpb.UpdateStatus) -> None:
         if self._fleet is not None:
             self._fleet.report_update(status)
+
+    def remove_unused_caches(self) -> None:
+        directory = self._plan.profile.runtime.xnnpack_weight_cache_dir if self._plan else None
+        if directory is None:
+            return
+        try:
+            prune_weight_cache(directory)
+        except OSError as exc:  # the next load prunes them
+            log.warning("weight cache not pruned (%s)", exc)
 
     async def offer_update(self, signed: bytes) -> fpb.UpdateStatus:
         assert self._updater is not None

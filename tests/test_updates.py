@@ -249,6 +249,14 @@ def test_delta_over_mqtt_blocks(models, trusted, broker, tmp_path):
         assert p.status is not None and p.status.phase == Phase.COMMITTED, p.status
         assert p.blocks_served >= 1
         assert d.client().info()["version"] == "1.1.0"
+        # the old model's prepared copy and packed weights, kept while it served beside the
+        # new one, are removed once the update is committed
+        cache = tmp_path / "state" / "cache" / "xnnpack"
+        new_only = {load_model_dir(models.new).variant("int8").sha256}
+        deadline = time.monotonic() + 10  # the report can arrive before the files are gone
+        while {f.name.split(".", 1)[0] for f in cache.iterdir()} != new_only:
+            assert time.monotonic() < deadline, sorted(f.name for f in cache.iterdir())
+            time.sleep(0.05)
         # a restart serves the committed model; the shipped one is only the fallback
         assert d.stop() == 0
         d = start(tmp_path, models, broker, trusted, "dev-ota-mqtt")

@@ -66,6 +66,10 @@ class UpdateHost(Protocol):
 
     def report(self, status: fpb.UpdateStatus) -> None: ...
 
+    def remove_unused_caches(self) -> None:
+        """Delete what loading models left that the serving model does not use (its prepared
+        copies and packed weights): called once an update has ended."""
+
 
 class Updater:
     def __init__(
@@ -342,6 +346,7 @@ class Updater:
         self._finish(rec, R.COMMITTED, f"{m.version_label or m.version} is the last known good")
         keep = [Path(inst.current.model_dir)]
         self.store.remove_unused(keep)
+        self.host.remove_unused_caches()
 
     async def _rollback(self, rec: opb.UpdateRecord, reason: str) -> None:
         """Serve the last known good model again; reported once it serves."""
@@ -353,6 +358,7 @@ class Updater:
             log.exception("rollback: reloading %s failed; restarting", inst.current.model_dir)
             os._exit(1)  # the pointer names the old model: a restart serves it
         self.store.remove_unused([Path(inst.current.model_dir)])
+        self.host.remove_unused_caches()
         self._report(rec, reason)
 
     # ------------------------------------------------------------------ records and reports

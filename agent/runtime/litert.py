@@ -1051,18 +1051,27 @@ def weight_cache_path(profile: DeviceProfile, cache_key: str | None) -> str:
         directory.mkdir(parents=True, exist_ok=True)
         if not os.access(directory, os.W_OK | os.X_OK) and not target.exists():
             raise PermissionError(f"{directory} is not writable")
-        with _in_use_lock:
-            running = {cache_key, *(k.name for k in _in_use if k.parent == directory)}
-        # their packed weights, their copies, their windows' outcomes
-        keep = set().union(*map(_keep_files, running))
-        for old in directory.iterdir():
-            if _CACHE_FILE.match(old.name) and old.name not in keep:
-                old.unlink(missing_ok=True)
-                log.info("weight cache removed: %s (another model or variant)", old)
+        prune_weight_cache(directory, cache_key)
     except OSError as exc:
         log.warning("XNNPACK weight cache dir unusable (%s); packing weights in memory", exc)
         return IN_MEMORY_WEIGHT_CACHE
     return str(target)
+
+
+def prune_weight_cache(directory: Path, loading: str | None = None) -> None:
+    """Remove from weight cache `directory` the files (named like the runtime's) of every model
+    that no runner of this process runs, except those of the model `loading` names: what
+    updates left behind, once the model they replaced is closed. Raises OSError."""
+    with _in_use_lock:
+        running = {k.name for k in _in_use if k.parent == directory}
+    if loading is not None:
+        running.add(loading)
+    # their packed weights, their copies, their windows' outcomes
+    keep = set().union(*map(_keep_files, running))
+    for old in directory.iterdir():
+        if _CACHE_FILE.match(old.name) and old.name not in keep:
+            old.unlink(missing_ok=True)
+            log.info("weight cache removed: %s (another model or variant)", old)
 
 
 def _open(
