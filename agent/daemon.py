@@ -237,8 +237,8 @@ class Daemon:
 
     def remove_unused_caches(self) -> None:
         directory = self._plan.profile.runtime.xnnpack_weight_cache_dir if self._plan else None
-        if directory is None:
-            return
+        if directory is None or self._state == "reloading":  # a load's files are not held yet;
+            return  # that load prunes the directory itself
         try:
             prune_weight_cache(directory)
         except OSError as exc:  # the next load prunes them
