@@ -24,7 +24,15 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_TARGETS = ("auto", "journald", "stderr")
 
 TOP = ("server", "limits", "model", "log", "watchdog", "sessions", "fleet", "updates")
-SERVER = ("socket", "socket_mode", "socket_group", "tcp", "allow_remote_tcp", "max_message_bytes")
+SERVER = (
+    "socket",
+    "socket_mode",
+    "socket_group",
+    "tcp",
+    "allow_remote_tcp",
+    "max_message_bytes",
+    "stream_interval_ms",
+)
 LIMITS = (
     "max_sessions",
     "max_active",
@@ -74,6 +82,7 @@ class ServerConfig:
     tcp: str | None = None  # "HOST:PORT"; loopback only unless allow_remote_tcp
     allow_remote_tcp: bool = False
     max_message_bytes: int = 1 << 20
+    stream_interval_ms: int = 50  # a stream's messages at most this often (first and last: at once)
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +240,9 @@ def parse_config(data: Mapping[str, object], source: str) -> AgentConfig:
             allow_remote_tcp=allow,
             max_message_bytes=s.size(
                 "max_message_bytes", 4096, 64 << 20, d.server.max_message_bytes
+            ),
+            stream_interval_ms=s.integer(
+                "stream_interval_ms", 0, 1000, d.server.stream_interval_ms
             ),
         )
     lt = top.table("limits", LIMITS, required=False)

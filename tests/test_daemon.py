@@ -208,6 +208,32 @@ def test_concurrent_clients(daemon: Daemon) -> None:
     assert all(r.finish_reason in ("length", "stop") for r in results.values())
 
 
+@pytest.mark.parametrize("interval_ms", [0, 1000])
+def test_a_stream_sends_at_most_one_message_per_interval(
+    tiny_model_dir, tmp_path, interval_ms
+) -> None:
+    """`server.stream_interval_ms`: the first message goes out at once, the tokens after it
+    wait for the interval, and the last one ends the stream at once. The tiny model generates
+    100 tokens in well under a second: two messages with a 1 s interval; with 0, a message
+    whenever the loop is free."""
+    d = Daemon(tmp_path, tiny_model_dir, f"[server]\nstream_interval_ms = {interval_ms}\n")
+    try:
+        c = d.client()
+        t0 = time.monotonic()
+        messages = list(c.stream(req("x = 1\n", n=100, temperature=0.0)))
+        took = time.monotonic() - t0
+        if interval_ms:
+            assert len(messages) <= 2 and took < 1.0  # the last did not wait for the interval
+        else:
+            assert len(messages) > 2
+        assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        ids = [t for m in messages for t in m.token_ids]
+        assert len(ids) == messages[-1].stats.generated_tokens == 100
+        assert ids == c.generate(req("x = 1\n", n=100, temperature=0.0)).tokens
+    finally:
+        assert d.stop() == 0, d.read_log()
+
+
 def test_client_cancel_frees_the_request(daemon: Daemon) -> None:
     c = daemon.client()
     stream = c.stream(req(n=120))

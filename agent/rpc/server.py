@@ -17,6 +17,7 @@ import dataclasses
 import grp
 import logging
 import os
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -216,28 +217,44 @@ def status_message(st: AgentStatus) -> pb.AgentStatus:
 
 
 class _EventPipe:
-    """Engine thread → event loop, waking the loop once per batch rather than per token."""
+    """Engine thread → event loop, at most one message per `interval_s`.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    An event wakes the loop at once when the last message went out `interval_s` ago or more
+    (so the first token, and every token of a slow model, go out without delay) or when it
+    ends the request; events in between wait for the loop's timer and go out together. Each
+    message costs the loop, gRPC and the client ~0.5 ms of CPU whatever it holds, on a board
+    whose cores the model's threads also want (docs/PERFORMANCE.md). 0 sends what is there
+    whenever the loop is free.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval_s: float) -> None:
         self._loop = loop
+        self._interval = interval_s
         self._items: deque[TokenEvent] = deque()
         self._ready = asyncio.Event()
         self._woken = False  # a wake-up is already on its way
+        self._due = 0.0  # monotonic time from which the next message may go out
 
     def put(self, event: TokenEvent) -> None:  # engine thread
         self._items.append(event)
-        if not self._woken:
-            self._woken = True
-            self._loop.call_soon_threadsafe(self._ready.set)
+        if self._woken or (time.monotonic() < self._due and event.finish_reason is None):
+            return  # the loop's timer collects it
+        self._woken = True
+        self._loop.call_soon_threadsafe(self._ready.set)
 
     async def take(self) -> list[TokenEvent]:  # event loop: at least one, up to the end
-        while not self._items:
-            await self._ready.wait()
+        while True:
+            wait = self._due - time.monotonic()
+            if self._items and (wait <= 0 or self._items[-1].finish_reason is not None):
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready.wait(), wait if self._items else None)
             self._ready.clear()
             self._woken = False
         batch = [self._items.popleft()]
         while self._items and batch[-1].finish_reason is None:
             batch.append(self._items.popleft())
+        self._due = time.monotonic() + self._interval
         return batch
 
 
@@ -262,7 +279,8 @@ class AgentService:
     async def Generate(
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        pipe = _EventPipe(asyncio.get_running_loop())
+        interval = self._backend.config.server.stream_interval_ms / 1000
+        pipe = _EventPipe(asyncio.get_running_loop(), interval)
         try:
             _check(request)
             engine = self._backend.engine()
