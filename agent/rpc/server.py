@@ -220,16 +220,19 @@ class _EventPipe:
     """Engine thread → event loop, at most one message per `interval_s`.
 
     An event wakes the loop at once when the last message went out `interval_s` ago or more
-    (so the first token, and every token of a slow model, go out without delay) or when it
-    ends the request; events in between wait for the loop's timer and go out together. Each
-    message costs the loop, gRPC and the client ~0.5 ms of CPU whatever it holds, on a board
-    whose cores the model's threads also want (docs/PERFORMANCE.md). 0 sends what is there
-    whenever the loop is free.
+    (so the first token, and every token of a slow model, go out without delay), when it ends
+    the request, or when `flush_at` events are waiting (the engine pauses a request whose
+    consumer leaves `limits.max_pending_events` unread: the interval must not throttle a fast
+    model); events in between wait for the loop's timer and go out together. Each
+    message costs the loop and a Python client ~1 ms of CPU each whatever it holds, on a
+    board whose cores the model's threads also want (docs/PERFORMANCE.md). 0 sends what is
+    there whenever the loop is free.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, interval_s: float) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval_s: float, flush_at: int) -> None:
         self._loop = loop
         self._interval = interval_s
+        self._flush_at = max(1, flush_at)
         self._items: deque[TokenEvent] = deque()
         self._ready = asyncio.Event()
         self._woken = False  # a wake-up is already on its way
@@ -237,18 +240,31 @@ class _EventPipe:
 
     def put(self, event: TokenEvent) -> None:  # engine thread
         self._items.append(event)
-        if self._woken or (time.monotonic() < self._due and event.finish_reason is None):
+        if self._woken or not self._send_now(event):
             return  # the loop's timer collects it
         self._woken = True
         self._loop.call_soon_threadsafe(self._ready.set)
 
+    def _send_now(self, last: TokenEvent) -> bool:
+        return (
+            time.monotonic() >= self._due
+            or last.finish_reason is not None
+            or len(self._items) >= self._flush_at
+        )
+
     async def take(self) -> list[TokenEvent]:  # event loop: at least one, up to the end
         while True:
-            wait = self._due - time.monotonic()
-            if self._items and (wait <= 0 or self._items[-1].finish_reason is not None):
+            if self._items and self._send_now(self._items[-1]):
                 break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ready.wait(), wait if self._items else None)
+            wait = self._due - time.monotonic()
+            # until the interval is over, then until an event arrives: what came meanwhile
+            # goes out then, even if the engine pauses this request after it
+            timer = self._loop.call_later(wait, self._ready.set) if wait > 0 else None
+            try:
+                await self._ready.wait()
+            finally:
+                if timer is not None:
+                    timer.cancel()
             self._ready.clear()
             self._woken = False
         batch = [self._items.popleft()]
@@ -279,8 +295,10 @@ class AgentService:
     async def Generate(
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        interval = self._backend.config.server.stream_interval_ms / 1000
-        pipe = _EventPipe(asyncio.get_running_loop(), interval)
+        config = self._backend.config
+        interval = config.server.stream_interval_ms / 1000
+        flush_at = config.limits.max_pending_events // 2
+        pipe = _EventPipe(asyncio.get_running_loop(), interval, flush_at)
         try:
             _check(request)
             engine = self._backend.engine()
