@@ -1,9 +1,9 @@
-"""A model directory: one or more `.tflite` variants, a SentencePiece tokenizer and metadata.
+"""A model directory: one or more `.tflite` variants, a tokenizer and metadata.
 
 Layout::
 
     <dir>/metadata.json
-    <dir>/tokenizer.model
+    <dir>/tokenizer.model | tokenizer.json   (SentencePiece, or Hugging Face tokenizers)
     <dir>/<variant files>.tflite
 
 ``metadata.json`` (written by the toolchain, read here)::
@@ -15,14 +15,21 @@ Layout::
       "tokenizer": "tokenizer.model",
       "bos_id": 1, "eos_id": 2, "stop_token_ids": [2],
       "chat_template": "{system}\\n{user}\\n",
+      "add_bos": true,
       "variants": [
         {"file": "model_int8.tflite", "quantization": "int8",
          "sha256": "...", "size": 5800000}
       ]
     }
 
-Quantization names: ``fp32``, ``int8``, ``int4_block32``, ``int4_block64``,
-``int4_block128``, ``mixed``.
+Quantization names: ``fp32``, ``fp16``, ``int8``, ``int4_block32``, ``int4_block64``,
+``int4_block128``, ``mixed``, ``int8_weight_only``.
+
+Optional keys (absent in older directories): ``add_bos`` (prepend ``bos_id`` to a plain prompt;
+default true when ``bos_id`` is set), ``bos_id`` / ``eos_id`` may be ``null`` (Qwen has no BOS),
+``chat_template`` is either the old ``{system}``/``{user}`` form or a Jinja template (a template
+with ``{%`` or ``{{``), ``""`` when the model has none (chat is then refused), and
+``generation`` holds sampler defaults the model ships (``temperature``, ``top_k``, ``top_p``).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from agent.errors import ModelFormatError
 
 QUANTIZATIONS = (
     "fp32",
+    "fp16",
     "int8",
     "int4_block32",
     "int4_block64",
@@ -69,15 +77,23 @@ class ModelMeta:
     version: str
     context_length: int
     tokenizer: str
-    bos_id: int
-    eos_id: int
+    bos_id: int | None
+    eos_id: int | None
     stop_token_ids: tuple[int, ...]
-    chat_template: str
+    chat_template: str  # "" when the model has none
     variants: tuple[Variant, ...]
+    add_bos: bool = True  # prepend bos_id to a plain prompt (never to a rendered chat)
+    generation: tuple[tuple[str, float], ...] = ()  # sampler defaults the model ships
 
     @property
     def tokenizer_path(self) -> Path:
         return self.directory / self.tokenizer
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Every id that ends a generation: eos and the listed stop tokens."""
+        eos = () if self.eos_id is None else (self.eos_id,)
+        return frozenset((*eos, *self.stop_token_ids))
 
     def variant(self, quantization: str) -> Variant:
         for v in self.variants:
@@ -108,6 +124,27 @@ def _field(raw: dict[str, Any], key: str, kind: type, where: Path) -> Any:
     if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
         raise ModelFormatError(f"{where}: {key} = {value!r} should be of type {kind.__name__}")
     return value
+
+
+def _optional_id(raw: dict[str, Any], key: str, where: Path) -> int | None:
+    if raw.get(key) is None:
+        if key not in raw:
+            raise ModelFormatError(f"{where}: missing key {key!r}")
+        return None
+    return int(_field(raw, key, int, where))
+
+
+def _generation(raw: dict[str, Any], where: Path) -> tuple[tuple[str, float], ...]:
+    gen = raw.get("generation", {})
+    allowed = ("temperature", "top_k", "top_p")
+    if not isinstance(gen, dict) or not all(
+        k in allowed and isinstance(v, (int, float)) and not isinstance(v, bool)
+        for k, v in gen.items()
+    ):
+        raise ModelFormatError(
+            f"{where}: generation = {gen!r} should map {', '.join(allowed)} to numbers"
+        )
+    return tuple(sorted((k, float(v)) for k, v in gen.items()))
 
 
 def load_model_dir(directory: Path) -> ModelMeta:
@@ -147,17 +184,30 @@ def load_model_dir(directory: Path) -> ModelMeta:
     if not variants:
         raise ModelFormatError(f"{where}: no variants listed")
     stops = _field(raw, "stop_token_ids", list, where)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stops):
+        raise ModelFormatError(f"{where}: stop_token_ids = {stops!r} should be a list of ids")
+    bos_id = _optional_id(raw, "bos_id", where)
+    add_bos = raw.get("add_bos", bos_id is not None)
+    if not isinstance(add_bos, bool):
+        raise ModelFormatError(f"{where}: add_bos = {add_bos!r} should be true or false")
+    if add_bos and bos_id is None:
+        raise ModelFormatError(f"{where}: add_bos is true but bos_id is null")
+    template = raw.get("chat_template", "")
+    if not isinstance(template, str):
+        raise ModelFormatError(f"{where}: chat_template should be a string")
     return ModelMeta(
         directory=directory,
         name=_field(raw, "name", str, where),
         version=_field(raw, "version", str, where),
         context_length=_field(raw, "context_length", int, where),
         tokenizer=_field(raw, "tokenizer", str, where),
-        bos_id=_field(raw, "bos_id", int, where),
-        eos_id=_field(raw, "eos_id", int, where),
-        stop_token_ids=tuple(int(t) for t in stops),
-        chat_template=str(raw.get("chat_template", "{user}")),
+        bos_id=bos_id,
+        eos_id=_optional_id(raw, "eos_id", where),
+        stop_token_ids=tuple(stops),
+        chat_template=template,
         variants=tuple(variants),
+        add_bos=add_bos,
+        generation=_generation(raw, where),
     )
 
 
@@ -167,12 +217,14 @@ def write_model_dir_metadata(
     name: str,
     version: str,
     context_length: int,
-    bos_id: int,
-    eos_id: int,
+    bos_id: int | None,
+    eos_id: int | None,
     stop_token_ids: Iterable[int],
     chat_template: str,
     variants: Iterable[tuple[str, str]],
     tokenizer: str = "tokenizer.model",
+    add_bos: bool | None = None,
+    generation: dict[str, float] | None = None,
 ) -> Path:
     """Write `metadata.json` for files already in `directory`.
 
@@ -202,8 +254,11 @@ def write_model_dir_metadata(
         "eos_id": eos_id,
         "stop_token_ids": list(stop_token_ids),
         "chat_template": chat_template,
+        "add_bos": bos_id is not None if add_bos is None else add_bos,
         "variants": entries,
     }
+    if generation:
+        doc["generation"] = dict(generation)
     target = directory / METADATA_FILE
     tmp = target.with_suffix(".json.tmp")
     with open(tmp, "w", encoding="utf-8") as f:

@@ -155,8 +155,9 @@ def pack_litertlm(model_dir: Path, quant: str) -> Path | None:
         return out
     CACHE.mkdir(parents=True, exist_ok=True)
     md = llm_metadata_pb2.LlmMetadata()
-    md.start_token.token_ids.ids.append(meta.bos_id)
-    for stop in sorted({meta.eos_id, *meta.stop_token_ids}):
+    if meta.bos_id is not None:
+        md.start_token.token_ids.ids.append(meta.bos_id)
+    for stop in sorted(meta.stop_ids):
         md.stop_tokens.add().token_ids.ids.append(stop)
     md.max_num_tokens = meta.context_length
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:

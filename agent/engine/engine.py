@@ -243,7 +243,7 @@ class Engine:
             fallbacks=self.loaded.fallbacks,
             memory=self.memory,
         )
-        self._stop_ids = frozenset((self.meta.eos_id, *self.meta.stop_token_ids))
+        self._stop_ids = self.meta.stop_ids
         self._sched: Scheduler[_Prepared] = Scheduler(max_active, self.limits.queue_capacity)
         pool = KVPool(
             runner.new_kv,
@@ -287,7 +287,7 @@ class Engine:
                 f"prompt is {len(request.prompt)} characters; at most {MAX_PROMPT_CHARS}"
             )
         ids = self.tokenizer.encode(request.prompt)
-        if request.add_bos:
+        if request.add_bos and self.meta.add_bos and self.meta.bos_id is not None:
             ids = [self.meta.bos_id, *ids]
         ctx = self.info.context_length
         if len(ids) >= ctx:  # at least one row must stay free for the first generated token
@@ -330,8 +330,9 @@ class Engine:
             session = self._store.get(request.session_id or "", request.owner)
             if session.busy:
                 raise SessionBusy(f"session {session.id} already has a request running")
-            if request.add_bos and not session.tokens:
-                new = [self.meta.bos_id, *new]
+            bos = self.meta.bos_id
+            if request.add_bos and self.meta.add_bos and bos is not None and not session.tokens:
+                new = [bos, *new]
             dropped = self._fit_context(session, new, max_tokens)
             self._store.prepare(session)
             if session.tokens:

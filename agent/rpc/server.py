@@ -326,7 +326,7 @@ class AgentService:
     def Tokenize(self, request: pb.TokenizeRequest, owner: str) -> pb.TokenizeResponse:
         engine = self._backend.engine()
         ids = engine.tokenizer.encode(request.text)
-        if request.add_bos:
+        if request.add_bos and engine.meta.bos_id is not None:
             ids = [engine.meta.bos_id, *ids]
         return pb.TokenizeResponse(token_ids=ids)
 
