@@ -61,6 +61,10 @@ class RuntimeFailure(AgentError):
     """LiteRT failed while running a signature."""
 
 
+class NonFiniteLogits(RuntimeFailure):
+    """The model produced NaN or infinite logits: no token can be chosen from them."""
+
+
 class Overloaded(AgentError):
     """The request queue is full; try again later."""
 

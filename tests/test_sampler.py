@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.engine.sampler import Sampler, SamplingParams
-from agent.errors import InvalidRequest
+from agent.errors import InvalidRequest, NonFiniteLogits
 
 logit_arrays = st.lists(st.floats(-20, 20, allow_nan=False, width=32), min_size=2, max_size=64).map(
     lambda xs: np.array(xs, dtype=np.float32)
@@ -81,3 +81,27 @@ def test_temperature_sampling_follows_the_distribution() -> None:
 def test_out_of_range_parameters_are_refused(params, fragment) -> None:
     with pytest.raises(InvalidRequest, match=fragment.replace("[", r"\[").replace("]", r"\]")):
         params.validate(vocab_size=100)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, seed=3),
+        SamplingParams(temperature=0.7, top_k=5, seed=3),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=3),
+    ],
+)
+@pytest.mark.parametrize("where", ["one", "all"])
+def test_non_finite_logits_are_an_error_never_a_token(bad, params, where) -> None:
+    logits = np.linspace(-3, 3, 50, dtype=np.float32)
+    if where == "all":
+        logits[:] = bad
+    else:
+        logits[17] = bad
+    if bad == -np.inf and where == "one":  # one impossible token is a valid distribution
+        assert Sampler(params)(logits) != 17
+        return
+    with pytest.raises(NonFiniteLogits):
+        Sampler(params)(logits)

@@ -36,6 +36,7 @@ from agent.errors import (
     ContextOverflow,
     InvalidRequest,
     ModelFormatError,
+    NonFiniteLogits,
     Overloaded,
     SessionBusy,
     SessionLost,
@@ -74,6 +75,7 @@ class ModelInfo:
     execution_path: str
     fallbacks: tuple[str, ...]
     memory: litert.MemoryPlan
+    prepared: str = "none"  # the runtime's copy of the file: what it changed, or why refused
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +109,7 @@ class EngineStats:
     ttft_ms: Percentiles
     decode_tok_s: Percentiles
     heartbeat_age_s: float
+    nonfinite_logits: int = 0  # requests ended because the model gave NaN/inf logits
 
 
 def _percentiles(values: deque[float]) -> Percentiles:
@@ -242,6 +245,7 @@ class Engine:
             execution_path=self.loaded.path_kind,
             fallbacks=self.loaded.fallbacks,
             memory=self.memory,
+            prepared=self.loaded.prepared,
         )
         self._stop_ids = self.meta.stop_ids
         self._sched: Scheduler[_Prepared] = Scheduler(max_active, self.limits.queue_capacity)
@@ -269,7 +273,14 @@ class Engine:
         self._closed = False
         self._stall = 0.0
         self._beat = time.monotonic()
-        self._totals = {"total": 0, "failed": 0, "rejected": 0, "cancelled": 0, "tokens": 0}
+        self._totals = {
+            "total": 0,
+            "failed": 0,
+            "rejected": 0,
+            "cancelled": 0,
+            "tokens": 0,
+            "nonfinite": 0,
+        }
         self._ttft: deque[float] = deque(maxlen=WINDOW)
         self._decode: deque[float] = deque(maxlen=WINDOW)
         if profile.kv.preallocate:
@@ -513,6 +524,7 @@ class Engine:
             ttft_ms=ttft,
             decode_tok_s=dec,
             heartbeat_age_s=self.heartbeat_age(),
+            nonfinite_logits=t["nonfinite"],
         )
 
     def heartbeat_age(self) -> float:
@@ -665,6 +677,11 @@ class Engine:
         assert gen is not None
         try:
             events = gen.step()
+        except NonFiniteLogits as exc:  # the model's fault, not a bug: one line, and counted
+            log.error("request %s failed: %s", p.handle.id, exc)
+            with self._cv:
+                self._totals["nonfinite"] += 1
+            events = [gen.fail(str(exc))]
         except Exception as exc:  # one failed request must not take the engine down
             log.exception("request %s failed", p.handle.id)
             events = [gen.fail(str(exc))]

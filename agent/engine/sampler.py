@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from agent.errors import InvalidRequest
+from agent.errors import InvalidRequest, NonFiniteLogits
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +45,14 @@ class Sampler:
         self._rng = np.random.default_rng(params.seed)
 
     def __call__(self, logits: npt.NDArray[np.float32]) -> int:
+        """A token id; NonFiniteLogits if the logits hold NaN or infinity (found at no extra
+        cost: argmax stops at the first NaN, and either makes the weights' sum non-finite)."""
         p = self.params
         if p.temperature == 0.0:
-            return int(np.argmax(logits))
+            token = int(np.argmax(logits))
+            if not math.isfinite(float(logits[token])):
+                raise NonFiniteLogits(f"the model produced non-finite logits ({logits[token]})")
+            return token
         vocab = logits.shape[-1]
         if 0 < p.top_k < vocab:
             ids = np.argpartition(logits, vocab - p.top_k)[vocab - p.top_k :]
@@ -59,6 +64,8 @@ class Sampler:
             ids, z = ids[order], z[order]
         weights = np.exp((z - z.max()) / p.temperature)
         cumulative = np.cumsum(weights)
+        if not math.isfinite(float(cumulative[-1])):
+            raise NonFiniteLogits("the model produced non-finite logits (NaN or infinity)")
         if p.top_p < 1.0:
             # Smallest prefix whose mass reaches top_p (always at least one token).
             keep = int(np.searchsorted(cumulative, p.top_p * cumulative[-1])) + 1

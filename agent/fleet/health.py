@@ -155,6 +155,7 @@ def build_health(
             active=e.active,
             ttft_ms=_percentiles(e.ttft_ms),
             decode_tok_s=_percentiles(e.decode_tok_s),
+            nonfinite_logits=e.nonfinite_logits,
         ),
         thermal=thermal,
         disk=disk,

@@ -93,6 +93,7 @@ class HealthInfo:
     update_reason_code: str
     update_downloaded_bytes: int
     update_total_bytes: int
+    nonfinite_logits: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,6 +281,7 @@ def health_info(m: pb.Health, device_id: str | None = None) -> HealthInfo:
         requests_total=req.total,
         requests_failed=req.failed,
         requests_rejected=req.rejected,
+        nonfinite_logits=req.nonfinite_logits,
         max_celsius=th.max_celsius or max((z.celsius for z in th.zones), default=0.0),
         throttled_known=th.throttled_known,
         throttled_now=th.throttled_now,
@@ -350,6 +352,8 @@ def _health_issues(h: HealthInfo) -> list[str]:
         issues.append("rss>budget")
     if h.requests_failed:
         issues.append(f"{h.requests_failed} failed")
+    if h.nonfinite_logits:
+        issues.append(f"{h.nonfinite_logits} non-finite logits")
     if h.update_phase in _BAD_UPDATES:
         why = f" ({h.update_reason_code})" if h.update_reason_code else ""
         issues.append(f"update {h.update_phase.lower()}{why}")

@@ -210,6 +210,7 @@ def status_message(st: AgentStatus) -> pb.AgentStatus:
         decode_tok_s=pb.Percentiles(p50=e.decode_tok_s.p50, p95=e.decode_tok_s.p95),
         state=st.state,
         model=st.model,
+        nonfinite_logits=e.nonfinite_logits,
     )
     if st.kv is not None:
         msg.kv.CopyFrom(tiers_message(st.kv))
@@ -352,6 +353,7 @@ class AgentService:
             kv=tiers_message(engine.tier_stats()),
             kv_bytes_per_session=i.memory.kv_per_session,
             kv_caches=i.memory.sessions,
+            prepared=i.prepared,
         )
 
     def CreateSession(self, request: pb.CreateSessionRequest, owner: str) -> pb.Session:

@@ -10,6 +10,15 @@ does not expose); this does the same to the file: each composite op is replaced 
 decomposition's ops, its inputs and outputs wired to the caller's tensors, and the
 decomposition subgraphs are dropped. Weights are untouched: a large model's buffers live after
 the flatbuffer (offset/size), and are copied as one block with their offsets shifted.
+
+Not every composite is inlined: XNNPACK runs ``odml.scaled_dot_product_attention`` itself (it
+does not split the graph), and its decomposition is not always what the composite means.
+litert-torch exports it for one KV head in the default KV layout with K's transpose folded into
+a RESHAPE (``[1, kv, 1, d] -> [1, 1, d, kv]``), which reorders nothing: the decomposition is
+then off by up to 9.3 in the logits from the second position on, while XNNPACK running the
+composite matches the float torch model (measured here; docs/PERFORMANCE.md). Inlining it would
+make the copy compute something else, so it stays a composite (`KEPT_COMPOSITES`); every copy
+is also checked against the original file on its first load (`agent.runtime.check`).
 """
 
 from __future__ import annotations
@@ -38,6 +47,16 @@ _CHUNK = 1 << 20  # bytes per read when the weights are copied
 def _ids(v: Any) -> list[int]:
     """A tensor-index vector of the object API (None, a list or a numpy array) as ints."""
     return [] if v is None else [int(x) for x in v]
+
+
+# Composites XNNPACK runs itself: inlining them buys nothing and their decompositions are not
+# always exact (see the module docstring).
+KEPT_COMPOSITES = frozenset({"odml.scaled_dot_product_attention"})
+
+
+def _composite_name(op: Any) -> str:
+    name = getattr(op.builtinOptions2, "name", b"")
+    return name.decode() if isinstance(name, bytes) else str(name or "")
 
 
 def _composite_code(model: Any) -> set[int]:
@@ -94,7 +113,8 @@ def _inline(head: bytes) -> tuple[Any, int]:
         sg = model.subgraphs[i]
         out = []
         for op in sg.operators or []:
-            ops = _inline_one(model, sg, op) if op.opcodeIndex in codes else None
+            inline = op.opcodeIndex in codes and _composite_name(op) not in KEPT_COMPOSITES
+            ops = _inline_one(model, sg, op) if inline else None
             if ops is None:
                 out.append(op)
                 continue

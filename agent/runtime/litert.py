@@ -30,6 +30,7 @@ import numpy.typing as npt
 
 from agent.errors import AcceleratorError, BudgetError, ModelFormatError, RuntimeFailure
 from agent.profile import DeviceProfile
+from agent.runtime import check
 from agent.runtime.layout import (
     ModelLayout,
     Signature,
@@ -656,6 +657,7 @@ class LoadedModel:
     accelerator: str
     path_kind: str  # "compiled" | "interpreter"
     fallbacks: tuple[str, ...]  # one line per accelerator that was skipped, with the reason
+    prepared: str = "none"  # what runs instead of the file: "none", "inlined ...", "refused, ..."
 
 
 def plan_memory(
@@ -719,6 +721,7 @@ def load(
     prepared, cpu = _prepare(
         path, model, layout, plan, profile, cache_key, chain, kv_windows, prefer_interpreter
     )
+    checks = _Checks(path, model, layout, profile, cache_key)
     fallbacks: list[str] = []
     for i, acc in enumerate(chain):
         nxt = chain[i + 1] if i + 1 < len(chain) else "nothing"
@@ -736,6 +739,9 @@ def load(
                 )
                 use_layout, use_plan = cpu
                 runner, kind = _open(path, use_layout, profile, acc, prefer_interpreter, prepared)
+            if acc != "npu":
+                runner, kind, prepared = checks.run(runner, kind, acc, prepared, prefer_interpreter)
+                use_plan = cpu[1] if prepared.path != path else plan
         except (OSError, RuntimeError, ValueError, AcceleratorError) as exc:
             reason = f"{acc}: {_first_line(exc)}"
             log.warning("accelerator %s unavailable (%s); falling back to %s", acc, reason, nxt)
@@ -750,10 +756,100 @@ def load(
             kind,
             use_plan.describe(),
         )
-        return LoadedModel(runner, model, use_plan, runner.accelerator, kind, tuple(fallbacks))
+        return LoadedModel(
+            runner,
+            model,
+            use_plan,
+            runner.accelerator,
+            kind,
+            tuple(fallbacks),
+            checks.refused or prepared.describe(path),
+        )
     raise AcceleratorError(
         f"no accelerator of profile {profile.name} could run {path.name}: " + "; ".join(fallbacks)
     )
+
+
+class _Checks:
+    """The first-load checks of one load (`agent.runtime.check`): a fresh prepared copy, and the
+    builtin-kernel ``cpu`` link of a fused model, against the original file on XNNPACK. The
+    reference is computed once, before the runner it checks is needed again, and its runner
+    closed before anything else is opened."""
+
+    def __init__(
+        self,
+        path: Path,
+        model: ModelFile,
+        layout: ModelLayout,
+        profile: DeviceProfile,
+        cache_key: str | None,
+    ) -> None:
+        self.path, self.model, self.layout, self.profile = path, model, layout, profile
+        self.cache_key = cache_key
+        self._probe: check.Probe | None = None
+        self.refused: str | None = None  # the prepared copy's refusal, as status shows it
+
+    def probe(self) -> check.Probe:
+        if self._probe is None:
+            rt = self.profile.runtime
+            ref = _InterpreterRunner(
+                self.path, self.layout, "xnnpack", rt.num_threads, None, rt.backend
+            )
+            try:
+                self._probe = check.reference(ref, self.model)
+            finally:
+                ref.close()
+                del ref
+                give_back_memory()
+        return self._probe
+
+    def run(
+        self, runner: Runner, kind: str, acc: str, prepared: PreparedModel, interpreter: bool
+    ) -> tuple[Runner, str, PreparedModel]:
+        """`runner` if it computes what the original file does; else the original file opened
+        on `acc` (a refused copy) or AcceleratorError (the cpu link)."""
+        if prepared.fresh:
+            problem = self._problem(runner, "the prepared copy")
+            if problem is None:
+                if not prepared.windows:  # a copy with windows is named once they are checked
+                    prepared = _keep_checked(prepared)
+                return runner, kind, self._cpu(runner, kind, acc, prepared, interpreter)
+            runner.close()
+            del runner
+            give_back_memory()
+            self.refused = _refuse(prepared, self.cache_key, problem, self.path)
+            prepared = PreparedModel(self.path, self.cache_key)
+            runner, kind = _open(self.path, self.layout, self.profile, acc, interpreter, prepared)
+        return runner, kind, self._cpu(runner, kind, acc, prepared, interpreter)
+
+    def _cpu(
+        self, runner: Runner, kind: str, acc: str, prepared: PreparedModel, interpreter: bool
+    ) -> PreparedModel:
+        """The builtin kernels run a composite through its decomposition, which is not always
+        what the composite means: a fused model runs there only once checked."""
+        if acc != "cpu" or not self.model.fused:
+            return prepared
+        problem = self._problem(runner, "LiteRT's builtin kernels")
+        if problem is not None:
+            runner.close()
+            raise AcceleratorError(
+                f"the builtin CPU kernels do not compute what {self.path.name} computes on "
+                f"XNNPACK ({problem})"
+            )
+        return prepared
+
+    def _problem(self, runner: Runner, what: str) -> str | None:
+        try:
+            want = self.probe()
+        except (OSError, RuntimeError, ValueError) as exc:
+            return f"the original file did not run on XNNPACK to check {what}: {_first_line(exc)}"
+        except check.NonFiniteReference as exc:
+            return str(exc)
+        problem = check.compare(runner, want)
+        give_back_memory()
+        if problem is None:
+            log.info("%s checked against %s: logits within %g", what, self.path, want.tolerance)
+        return problem
 
 
 def _first_line(exc: BaseException) -> str:
@@ -914,21 +1010,24 @@ def check_legacy_compatible(model: ModelFile, path: Path, layout: ModelLayout) -
 IN_MEMORY_WEIGHT_CACHE: Final = ":memory:"
 WEIGHT_CACHE_SUFFIX: Final = ".xnnpack"
 MODEL_SUFFIX: Final = ".tflite"
-UNCHECKED_SUFFIX: Final = ".unchecked"  # a copy with windows before its first-load check
+UNCHECKED_SUFFIX: Final = ".unchecked"  # a prepared copy before its first-load check
 NO_WINDOWS_SUFFIX: Final = ".nowindows"  # why a model's windows were refused or failed
+REFUSED_SUFFIX: Final = ".refused"  # why a model's prepared copy failed its first-load check
 PARSE_SUFFIX: Final = ".parse.json"  # what reading a model file found (`read_model_file`)
 # files the runtime keeps in a weight cache directory: <sha256>[.<variant>].xnnpack|.tflite,
 # <sha256>.<variant>.tflite.unchecked, <sha256>.p<format>.nowindows,
 # <sha256>[.<variant>].parse.json; and what a load killed while writing one leaves:
 # <name>.tmp (a prepared copy), <name><mkstemp's 8 characters>.tmp (a reading)
 _CACHE_FILE = re.compile(
-    r"^[0-9a-f]{64}(\.[a-z0-9-]+)?\.(xnnpack|tflite|tflite\.unchecked|nowindows|parse\.json)"
+    r"^[0-9a-f]{64}(\.[a-z0-9-]+)?\.(xnnpack|tflite|tflite\.unchecked|nowindows|refused|parse\.json)"
     r"(([a-z0-9_]{8})?\.tmp)?$"
 )
 
 # Bumped whenever `prepare_file` writes a different file for the same input, so that a copy
-# an older edge-agent left in the weight cache directory is made again, not reused.
-PREPARED_FORMAT: Final = 3
+# an older edge-agent left in the weight cache directory is made again, not reused. 4: the
+# attention composite is no longer inlined (p3 copies of one-KV-head default-layout models
+# computed something else), and every copy is checked against the original file.
+PREPARED_FORMAT: Final = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -939,10 +1038,52 @@ class PreparedModel:
     cache_key: str | None  # names its packed weights
     windows: tuple[int, ...] = ()  # KV windows added to it
     fresh: bool = False  # written by this load: `path` is unchecked until `checked_path`
+    inlined: bool = False  # its composites (but `inline.KEPT_COMPOSITES`) are inlined
+    refused: str | None = None  # why an earlier load refused this model's copy
 
     @property
     def checked_path(self) -> Path:
         return self.path.with_name(f"{self.cache_key}{MODEL_SUFFIX}")
+
+    def describe(self, original: Path) -> str:
+        """What runs instead of `original`, as status shows it."""
+        if self.refused is not None:
+            return check.describe_refusal(original, self.refused)
+        if self.path == original:
+            return "none"
+        parts = (["composites inlined"] if self.inlined else []) + (
+            [f"KV windows {', '.join(map(str, self.windows))}"] if self.windows else []
+        )
+        return ", ".join(parts) + f" ({self.path.name})"
+
+
+def _keep_checked(prepared: PreparedModel) -> PreparedModel:
+    """Give a copy that passed its first-load check the name later loads trust."""
+    try:
+        prepared.path.replace(prepared.checked_path)
+    except OSError as exc:  # it serves; the next start makes and checks it again
+        log.warning("checked copy not kept (%s)", exc)
+        return prepared
+    return replace(prepared, path=prepared.checked_path, fresh=False)
+
+
+def _refuse(prepared: PreparedModel, cache_key: str | None, problem: str, original: Path) -> str:
+    """Drop a copy that failed its check, and remember why: the same file and prepare format
+    give the same copy, so later loads serve the original without making it again."""
+    directory = prepared.path.parent
+    for name in (
+        prepared.path.name,
+        f"{prepared.cache_key}{WEIGHT_CACHE_SUFFIX}",
+        f"{prepared.cache_key}{PARSE_SUFFIX}",
+    ):
+        (directory / name).unlink(missing_ok=True)
+    try:
+        (directory / _refused_name(cache_key)).write_text(problem + "\n")
+    except OSError as exc:
+        log.warning("cannot remember that the prepared copy was refused (%s)", exc)
+    shown = check.describe_refusal(original, problem)
+    log.warning("prepared copy of %s %s", original.name, shown)
+    return shown
 
 
 def _keep_files(cache_key: str) -> set[str]:
@@ -953,6 +1094,7 @@ def _keep_files(cache_key: str) -> set[str]:
         model,
         model + UNCHECKED_SUFFIX,
         _no_windows_name(cache_key),
+        _refused_name(cache_key),
         f"{cache_key}{PARSE_SUFFIX}",
         f"{cache_key.split('.', 1)[0]}{PARSE_SUFFIX}",  # the model file's own
     }
@@ -964,6 +1106,12 @@ def parse_cache(profile: DeviceProfile, cache_key: str | None) -> Path | None:
     if directory is None or cache_key is None:
         return None
     return directory / f"{cache_key}{PARSE_SUFFIX}"
+
+
+def _refused_name(cache_key: str | None) -> str:
+    """``<sha256>.p<format>.refused``: a prepared copy that failed its first-load check."""
+    sha = (cache_key or "").split(".", 1)[0]
+    return f"{sha}.p{PREPARED_FORMAT}{REFUSED_SUFFIX}"
 
 
 def _no_windows_name(cache_key: str | None) -> str:
@@ -1006,19 +1154,24 @@ def prepared_model(
     if directory is None or cache_key is None:
         log.info("model not prepared for XNNPACK: the profile sets no xnnpack_weight_cache_dir")
         return unchanged
-    refused = directory / _no_windows_name(cache_key)
-    if windows and refused.exists():
+    refused = directory / _refused_name(cache_key)
+    if refused.exists():
         reason = refused.read_text(errors="replace").strip()
+        log.warning("model not prepared for XNNPACK: an earlier load refused its copy (%s)", reason)
+        return replace(unchanged, refused=reason)
+    no_windows = directory / _no_windows_name(cache_key)
+    if windows and no_windows.exists():
+        reason = no_windows.read_text(errors="replace").strip()
         log.warning("KV windows not added: an earlier load found %s", reason)
         windows = ()
     key = f"{cache_key}.{_variant(fused, windows)}"
     target = directory / f"{key}{MODEL_SUFFIX}"
-    # a copy with windows is named `target` only once its first load has checked it
-    write = target.with_name(target.name + UNCHECKED_SUFFIX) if windows else target
+    # a copy is named `target` only once its first load has checked it against `path`
+    write = target.with_name(target.name + UNCHECKED_SUFFIX)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         if target.exists():  # made (and checked) by an earlier load
-            return PreparedModel(target, key, windows)
+            return PreparedModel(target, key, windows, inlined=fused)
         from agent.runtime.inline import prepare_file  # the flatbuffer schema: only to write
 
         done = prepare_file(path, write, windows, kv_length)
@@ -1030,8 +1183,8 @@ def prepared_model(
     if done.windows != windows:  # refused: the file holds only the inlined graph
         _remember_no_windows(directory, cache_key, done.refused or "the windows were refused")
         key = f"{cache_key}.{_variant(fused, done.windows)}"
-        write = write.replace(directory / f"{key}{MODEL_SUFFIX}")
-    return PreparedModel(write, key, done.windows, fresh=True)
+        write = write.replace(directory / f"{key}{MODEL_SUFFIX}{UNCHECKED_SUFFIX}")
+    return PreparedModel(write, key, done.windows, fresh=True, inlined=bool(done.inlined))
 
 
 def weight_cache_path(profile: DeviceProfile, cache_key: str | None) -> str:
