@@ -44,7 +44,7 @@ from agent.errors import (
 )
 from agent.kv.prefix import PrefixCache
 from agent.kv.snapshot import KVSnapshot
-from agent.modeldir import ModelMeta, Variant, load_model_dir, sha256_file
+from agent.modeldir import ModelMeta, Variant, open_model, sha256_file, unpack_cache_dir
 from agent.profile import DeviceProfile, choose_quantization
 from agent.runtime import litert
 from agent.runtime.tokenizer import Tokenizer
@@ -186,7 +186,9 @@ class Engine:
     ) -> None:
         self.profile = profile
         self.limits = limits or EngineLimits()
-        self.meta: ModelMeta = load_model_dir(model_dir)
+        self.meta: ModelMeta = open_model(  # a model directory or a .litertlm bundle
+            model_dir, unpack_cache_dir(profile.runtime.xnnpack_weight_cache_dir, state_dir)
+        )
         available = [v.quantization for v in self.meta.variants]
         quant = quantization or choose_quantization(profile, available)
         variant: Variant = self.meta.variant(quant)
@@ -746,7 +748,8 @@ def estimate_memory(
     from agent.runtime.layout import discover_layout
     from agent.runtime.modelfile import read_model_file
 
-    meta = load_model_dir(model_dir)
+    cache = unpack_cache_dir(profile.runtime.xnnpack_weight_cache_dir, None)
+    meta = open_model(model_dir, cache)
     quant = quantization or choose_quantization(profile, [v.quantization for v in meta.variants])
     variant = meta.variant(quant)
     model = read_model_file(meta.path_of(variant), litert.parse_cache(profile, variant.sha256))
