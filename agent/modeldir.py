@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,12 +108,19 @@ class ModelMeta:
         return self.directory / variant.file
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file, read in chunks."""
+def sha256_file(
+    path: Path, chunk: int = 1 << 20, progress: Callable[[int, int], None] | None = None
+) -> str:
+    """Hex sha256 of a file, read in chunks; `progress(done, total)` after each chunk."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
+        total = os.fstat(f.fileno()).st_size
+        done = 0
         while block := f.read(chunk):
             h.update(block)
+            done += len(block)
+            if progress is not None:
+                progress(done, total)
     return h.hexdigest()
 
 
@@ -225,10 +232,12 @@ def write_model_dir_metadata(
     tokenizer: str = "tokenizer.model",
     add_bos: bool | None = None,
     generation: dict[str, float] | None = None,
+    sha256: Mapping[str, str] | None = None,
 ) -> Path:
     """Write `metadata.json` for files already in `directory`.
 
-    `variants` are ``(file name, quantization)`` pairs; sizes and sha256 are computed here.
+    `variants` are ``(file name, quantization)`` pairs; sizes and sha256 are computed here
+    (a file named in `sha256` is not read again: its caller has just hashed it).
     The file is written atomically (temp file, fsync, rename).
     """
     entries = []
@@ -240,7 +249,7 @@ def write_model_dir_metadata(
             {
                 "file": file,
                 "quantization": quant,
-                "sha256": sha256_file(path),
+                "sha256": (sha256 or {}).get(file) or sha256_file(path),
                 "size": path.stat().st_size,
             }
         )
@@ -268,6 +277,40 @@ def write_model_dir_metadata(
         os.fsync(f.fileno())
     os.replace(tmp, target)
     return target
+
+
+LITERTLM_SUFFIX = ".litertlm"
+
+
+def open_model(path: Path, cache_dir: Path) -> ModelMeta:
+    """The model at `path`: a model directory, or a `.litertlm` bundle whose model and
+    tokenizer are extracted into `cache_dir` (`agent.runtime.litertlm`; once per bundle)."""
+    if path.is_dir():
+        return load_model_dir(path)
+    from agent.runtime.litertlm import is_litertlm, open_litertlm
+
+    if path.suffix == LITERTLM_SUFFIX or is_litertlm(path):
+        return open_litertlm(path, cache_dir)
+    if path.name == METADATA_FILE:
+        return load_model_dir(path.parent)
+    if not path.exists():
+        raise ModelFormatError(f"{path}: no such model directory or .litertlm file")
+    raise ModelFormatError(
+        f"{path}: not a model directory or a .litertlm bundle (a single .tflite needs a "
+        "model directory: edge-agent model import)"
+    )
+
+
+def unpack_cache_dir(weight_cache_dir: Path | None, state_dir: Path | None) -> Path:
+    """Where `.litertlm` bundles are extracted: ``litertlm/`` beside the profile's XNNPACK
+    weight cache (the daemon always has one), else in the state directory's ``cache/``, else
+    in the user's cache (``$XDG_CACHE_HOME/edge-agent``, ``~/.cache/edge-agent``)."""
+    if weight_cache_dir is not None:
+        return weight_cache_dir.parent / "litertlm"
+    if state_dir is not None:
+        return state_dir / "cache" / "litertlm"
+    home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(home) / "edge-agent" / "litertlm"
 
 
 def demo_model_dir() -> Path:
