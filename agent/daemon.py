@@ -29,7 +29,7 @@ from agent.engine.engine import Engine, EngineLimits, ModelInfo, estimate_memory
 from agent.errors import AgentError, ConfigError, Unavailable
 from agent.fleet.agent import FleetAgent, resolve_device_id
 from agent.fleet.topics import check_device_id
-from agent.modeldir import demo_model_dir, load_model_dir
+from agent.modeldir import ModelMeta, demo_model_dir, open_model, unpack_cache_dir
 from agent.ota import canary
 from agent.ota.manifest import InstallContext
 from agent.ota.store import ModelRef, Store
@@ -140,9 +140,16 @@ def _build(plan: _Plan) -> Engine:
     )
 
 
+def _open(plan: _Plan, model: Path) -> ModelMeta:
+    """A model directory or a `.litertlm` bundle, extracted where its engine will look."""
+    return open_model(
+        model, unpack_cache_dir(plan.profile.runtime.xnnpack_weight_cache_dir, plan.state_dir)
+    )
+
+
 def shipped_ref(plan: _Plan) -> ModelRef:
     """The model that serves when no update was ever installed (version 0)."""
-    meta = load_model_dir(plan.model_dir)
+    meta = _open(plan, plan.model_dir)
     quant = plan.quantization or choose_quantization(
         plan.profile, [v.quantization for v in meta.variants]
     )
@@ -194,7 +201,7 @@ class Daemon:
         assert self._plan is not None and self._updater is not None
         inst = self._updater.installed()
         return InstallContext(
-            model_name=load_model_dir(Path(installed.model_dir)).name,
+            model_name=_open(self._plan, Path(installed.model_dir)).name,
             installed_version=installed.version,
             installed_sha256=installed.sha256,
             profile=self._plan.profile.name,
