@@ -222,7 +222,7 @@ def test_non_finite_logits_end_the_request_with_an_error_never_a_token(
         # the first-load check found it: no copy serves a model whose own logits are NaN
         assert engine.info.prepared.startswith("refused, the model's own logits are not finite")
         for temperature in (0.0, 0.8):
-            done = engine.generate(
+            done = engine.complete(
                 GenerateRequest(
                     "hello", max_tokens=16, sampling=SamplingParams(temperature=temperature, seed=1)
                 )

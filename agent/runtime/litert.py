@@ -747,8 +747,6 @@ def load(
             log.warning("accelerator %s unavailable (%s); falling back to %s", acc, reason, nxt)
             fallbacks.append(reason)
             continue
-        if acc != "npu" and prepared.fresh and prepared.windows:
-            _check_new_windows(runner, prepared)
         log.info(
             "model loaded: %s on %s via %s, %s",
             path.name,
@@ -809,9 +807,10 @@ class _Checks:
         """`runner` if it computes what the original file does; else the original file opened
         on `acc` (a refused copy) or AcceleratorError (the cpu link)."""
         if prepared.fresh:
+            prepared = _check_new_windows(runner, prepared)  # a failure here drops only windows
             problem = self._problem(runner, "the prepared copy")
             if problem is None:
-                if not prepared.windows:  # a copy with windows is named once they are checked
+                if prepared.path.exists():  # not dropped with its windows
                     prepared = _keep_checked(prepared)
                 return runner, kind, self._cpu(runner, kind, acc, prepared, interpreter)
             runner.close()
@@ -947,27 +946,24 @@ def _prepare(
     return prepared, (made_layout, made_plan)
 
 
-def _check_new_windows(runner: Runner, prepared: PreparedModel) -> None:
-    """Compare the windows just added to a model with its full length before using them. The
-    copy gets its own name only then, so a load that dies before the check leaves nothing a
-    later load would trust. On a difference the model runs its full length only, the copy is
-    dropped and the outcome is remembered, so later loads do not rewrite the model again."""
-    if not isinstance(runner, _CompiledRunner):
-        return
+def _check_new_windows(runner: Runner, prepared: PreparedModel) -> PreparedModel:
+    """Compare the windows just added to a model with its full length before using them (the
+    copy is named only once this and the check against the original file pass). On a
+    difference the model runs its full length only, the copy is dropped and the outcome is
+    remembered, so later loads do not rewrite the model for windows again."""
+    if not isinstance(runner, _CompiledRunner) or not prepared.windows:
+        return prepared
     problem = runner.check_windows()
     give_back_memory()
     if problem is None:
-        try:
-            prepared.path.replace(prepared.checked_path)
-        except OSError as exc:  # the windows serve; the next start makes and checks them again
-            log.warning("checked copy not kept (%s)", exc)
         log.info("KV windows %s added and checked", list(prepared.windows))
-        return
+        return prepared
     log.warning("KV windows not used: %s; running the full length only", problem)
     runner.layout = replace(runner.layout, windows=())
     prepared.path.unlink(missing_ok=True)
     prepared.path.with_name(f"{prepared.cache_key}{PARSE_SUFFIX}").unlink(missing_ok=True)
     _remember_no_windows(prepared.path.parent, prepared.cache_key, problem)
+    return replace(prepared, windows=())
 
 
 LEGACY_BACKEND: Final = "tflite-runtime"
