@@ -1,4 +1,5 @@
-"""`edge-agent model inspect`: what a model file is, without running it."""
+"""`edge-agent model inspect`: what a model file, model directory or `.litertlm` bundle is,
+without running it."""
 
 from __future__ import annotations
 
@@ -8,15 +9,26 @@ from typing import Any
 from agent.errors import ModelFormatError
 from agent.modeldir import METADATA_FILE, load_model_dir, sha256_file
 from agent.runtime.layout import discover_layout
-from agent.runtime.modelfile import read_model_file
+from agent.runtime.modelfacts import context_length_of, quantization_of
+from agent.runtime.modelfile import ModelFile, read_model_file
 
 
 def _file_report(path: Path, context_length: int | None) -> dict[str, Any]:
-    model = read_model_file(path)
+    return _model_report(read_model_file(path), str(path), sha256_file(path), context_length)
+
+
+def _model_report(
+    model: ModelFile, where: str, sha256: str, context_length: int | None
+) -> dict[str, Any]:
+    try:
+        quantization = quantization_of(model)
+    except ModelFormatError as exc:
+        quantization = f"unknown ({exc})"
     report: dict[str, Any] = {
-        "file": str(path),
+        "file": where,
         "size": model.size,
-        "sha256": sha256_file(path),
+        "sha256": sha256,
+        "quantization": quantization,
         "signatures": {
             s.key: {
                 "inputs": {t.name: [list(t.shape), t.dtype] for t in s.inputs},
@@ -74,7 +86,60 @@ def inspect_report(path: Path) -> dict[str, Any]:
         }
     if not path.exists():
         raise ModelFormatError(f"{path}: no such file")
+    from agent.runtime.litertlm import is_litertlm
+
+    if path.suffix == ".litertlm" or is_litertlm(path):
+        return _bundle_report(path)
     return _file_report(path, None)
+
+
+def _bundle_report(path: Path) -> dict[str, Any]:
+    from agent.runtime.litertlm import read_bundle, read_model_section, section_sha256
+    from agent.runtime.llmmeta import read_llm_metadata
+
+    bundle = read_bundle(path)
+    ignored = {s.index: why for s, why in bundle.ignored}
+    roles = {bundle.model.index: "model", bundle.tokenizer.index: "tokenizer"}
+    roles[bundle.metadata.index] = "metadata"
+    info = read_llm_metadata(bundle)
+    model = read_model_section(bundle)
+    where = f"{path} (section {bundle.model.index})"
+    try:  # the bundle's max tokens tell the KV layout only where its shape cannot
+        context: int | None = context_length_of(model, info.max_tokens)[0]
+    except ModelFormatError:
+        context = None  # the layout's own error is in the report
+    return {
+        "litertlm": str(path),
+        "size": bundle.size,
+        "format": ".".join(map(str, bundle.version)),
+        "system_metadata": {k: v for k, v in bundle.system},
+        "sections": [
+            {
+                "index": s.index,
+                "type": s.kind,
+                "model_type": s.model_type,
+                "backends": list(s.backends),
+                "offset": s.begin,
+                "size": s.size,
+                "use": roles.get(s.index, "ignored"),
+                **({"why": ignored[s.index]} if s.index in ignored else {}),
+            }
+            for s in bundle.sections
+        ],
+        "llm_metadata": {
+            "model_type": info.model_type,
+            "start_token": _token_json(info.start),
+            "stop_tokens": [_token_json(t) for t in info.stops],
+            "template": info.template_kind,
+            "generation": dict(info.generation),
+            "max_num_tokens": info.max_tokens,
+        },
+        "model": _model_report(model, where, section_sha256(path, bundle.model), context),
+    }
+
+
+def _token_json(ref: tuple[int, ...] | str | None) -> Any:
+    return list(ref) if isinstance(ref, tuple) else ref
 
 
 def _mib(n: int) -> str:
@@ -89,6 +154,7 @@ def _format_file(r: dict[str, Any]) -> list[str]:
     ]
     if "sha256_ok" in r:
         lines.append(f"sha256 ok   {r['sha256_ok']}")
+    lines.append(f"weights as  {r['quantization']}")
     llm = r["llm"]
     if "error" in llm:
         lines.append(f"LLM layout  not recognised: {llm['error']}")
@@ -117,6 +183,8 @@ def _format_file(r: dict[str, Any]) -> list[str]:
 
 def format_report(report: dict[str, Any]) -> str:
     """Human-readable rendering of `inspect_report`."""
+    if "litertlm" in report:
+        return _format_bundle(report)
     if "variants" not in report:
         return "\n".join(_format_file(report))
     lines = [
@@ -125,4 +193,23 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     for v in report["variants"]:
         lines += ["", f"[{v['quantization']}]", *_format_file(v)]
+    return "\n".join(lines)
+
+
+def _format_bundle(r: dict[str, Any]) -> str:
+    md = r["llm_metadata"]
+    lines = [
+        f"bundle      {r['litertlm']} (.litertlm {r['format']}, {_mib(r['size'])})",
+        f"LLM         {md['model_type'] or 'no model type'}; start {md['start_token']}, "
+        f"stop {md['stop_tokens']}; template {md['template']}; max tokens "
+        f"{md['max_num_tokens']}; sampler {md['generation'] or 'not set'}",
+        "sections",
+    ]
+    for s in r["sections"]:
+        kind = s["type"] + (f" {s['model_type']}" if s["model_type"] else "")
+        if s["backends"]:
+            kind += f" [{', '.join(s['backends'])}]"
+        use = s["use"] + (f": {s['why']}" if "why" in s else "")
+        lines.append(f"  {s['index']:2} {kind:40} {_mib(s['size']):>12}  {use}")
+    lines += ["", "[model]", *_format_file(r["model"])]
     return "\n".join(lines)

@@ -1,0 +1,424 @@
+"""`edge-agent model import`: a model directory (`agent.modeldir`) from what users download.
+
+The source is a `.litertlm` bundle or a folder as litert-community / Hugging Face ship one:
+one or more `.tflite` exports, ``tokenizer.json`` (preferred) or ``tokenizer.model``, and
+optionally ``tokenizer_config.json``, ``generation_config.json`` and ``config.json``. What
+``metadata.json`` records comes from the files themselves:
+
+* per variant: sha256 and size, and the quantization read from its weight tensors
+  (`agent.runtime.modelfacts`), never from its name; the context length from its KV shape;
+* ``bos_id``/``eos_id``: ``tokenizer_config.json``'s ``bos_token``/``eos_token`` looked up in
+  the tokenizer's vocabulary, else ``generation_config.json``'s, else ``config.json``'s ids;
+  ``add_bos``: ``add_bos_token``, else whether the tokenizer's own post-processor adds BOS;
+* ``stop_token_ids``: the eos id and ``generation_config.json``'s ``eos_token_id`` (an id or a
+  list; ``config.json``'s when there is no generation config);
+* ``chat_template``: ``tokenizer_config.json``'s (a string, or a list of named templates of
+  which "default" is taken), else ``chat_template.jinja``; checked to parse as Jinja;
+* ``generation``: ``temperature``/``top_k``/``top_p`` of ``generation_config.json`` (not when
+  it says ``do_sample: false``: its defaults are then greedy's).
+
+The source is only read. The directory is written into a temp directory beside the target
+and renamed into place when complete, so a refusal or a crash leaves nothing half-written;
+an existing target is refused unless it is an empty directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent.errors import ModelFormatError
+from agent.modeldir import ModelMeta, load_model_dir, write_model_dir_metadata
+from agent.runtime.vocab import Vocab
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, int, int], None]  # (what, bytes done, bytes in all)
+TOKENIZERS = ("tokenizer.json", "tokenizer.model")
+SIDE_FILES = ("tokenizer_config.json", "generation_config.json", "config.json")
+_CHUNK = 1 << 20
+
+
+@dataclass(slots=True)
+class _Draft:
+    """What the import has gathered for `write_model_dir_metadata`."""
+
+    name: str
+    version: str
+    context_length: int = 0
+    tokenizer: str = ""
+    bos_id: int | None = None
+    eos_id: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    chat_template: str = ""
+    add_bos: bool = False
+    generation: dict[str, float] = field(default_factory=dict)
+    variants: list[tuple[str, str]] = field(default_factory=list)
+    sha256: dict[str, str] = field(default_factory=dict)
+
+
+def copy_hashed(src: Path, dst: Path, progress: Progress | None = None) -> str:
+    """Copy `src` to `dst` in one pass that also hashes it; returns the sha256."""
+    h = hashlib.sha256()
+    total = src.stat().st_size
+    done = 0
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        while block := fin.read(_CHUNK):
+            h.update(block)
+            fout.write(block)
+            done += len(block)
+            if progress is not None:
+                progress(dst.name, done, total)
+        fout.flush()
+        os.fsync(fout.fileno())
+    return h.hexdigest()
+
+
+def _check_target(out: Path) -> None:
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ModelFormatError(f"{out}: exists and is not a directory; choose another -o")
+    if out.is_dir() and any(out.iterdir()):
+        raise ModelFormatError(
+            f"{out}: exists and is not empty; import writes only into a new or empty directory"
+        )
+
+
+def import_model(
+    src: Path,
+    out: Path,
+    *,
+    name: str | None = None,
+    version: str | None = None,
+    files: Sequence[str] = (),
+    progress: Progress | None = None,
+) -> ModelMeta:
+    """Write the model directory `out` from `src` (a `.litertlm` or a download folder).
+
+    `files` picks which `.tflite` files of a folder to import (default: all of them).
+    Raises `ModelFormatError` naming the file and what is wrong; `out` is then untouched.
+    """
+    from agent.runtime.litertlm import is_litertlm
+
+    if not src.exists():
+        raise ModelFormatError(f"{src}: no such file or directory")
+    bundle = src.is_file() and (src.suffix == ".litertlm" or is_litertlm(src))
+    if not bundle and not src.is_dir():
+        raise ModelFormatError(
+            f"{src}: neither a .litertlm bundle nor a folder with .tflite files"
+        )
+    if bundle and files:
+        raise ModelFormatError(f"{src}: --file picks .tflite files of a folder, not of a bundle")
+    _check_target(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".import"))
+    try:
+        draft = (
+            _from_bundle(src, tmp, name, version, progress)
+            if bundle
+            else _from_folder(src, tmp, name, version, files, progress)
+        )
+        write_model_dir_metadata(
+            tmp,
+            name=draft.name,
+            version=draft.version,
+            context_length=draft.context_length,
+            bos_id=draft.bos_id,
+            eos_id=draft.eos_id,
+            stop_token_ids=draft.stop_token_ids,
+            chat_template=draft.chat_template,
+            variants=draft.variants,
+            tokenizer=draft.tokenizer,
+            add_bos=draft.add_bos,
+            generation=draft.generation,
+            sha256=draft.sha256,
+        )
+        load_model_dir(tmp)  # what was written reads back
+        _readable(tmp)
+        _check_target(out)  # nothing appeared there meanwhile
+        os.replace(tmp, out)  # onto a missing or empty directory
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("model import: %s -> %s", src, out)
+    return load_model_dir(out)
+
+
+def _readable(directory: Path) -> None:
+    """Modes as a plain copy would give them (temp files are created owner-only): the daemon's
+    user must be able to read a directory someone else imported."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    for f in directory.iterdir():
+        os.chmod(f, 0o666 & ~umask)
+
+
+# ----------------------------------------------------------------------------- bundles
+
+
+def _from_bundle(
+    src: Path, tmp: Path, name: str | None, version: str | None, progress: Progress | None
+) -> _Draft:
+    from agent.runtime.litertlm import extract_model, read_bundle, tokenizer_file
+    from agent.runtime.llmmeta import read_llm_metadata, resolve
+
+    bundle = read_bundle(src)
+    for s, why in bundle.ignored:
+        log.info("%s: section %d (%s) not imported: %s", src, s.index, s.kind, why)
+    info = read_llm_metadata(bundle)
+    staged = tmp / "model.tflite.part"
+    sha = extract_model(
+        bundle, staged, None if progress is None else lambda d, t: progress(src.name, d, t)
+    )
+    quant, context = _facts(staged, info.max_tokens, src)
+    file = f"model_{quant}.tflite"
+    staged.rename(tmp / file)
+    tok_name, data = tokenizer_file(bundle)
+    (tmp / tok_name).write_bytes(data)
+    ids = resolve(info, tmp / tok_name, str(src))
+    given = bundle.system_item("version")
+    return _Draft(
+        name=name or src.name.removesuffix(".litertlm"),
+        version=version or (str(given) if given is not None else "0"),
+        context_length=context,
+        tokenizer=tok_name,
+        bos_id=ids.bos_id,
+        eos_id=ids.eos_id,
+        stop_token_ids=list(ids.stop_ids),
+        chat_template=info.template,
+        add_bos=ids.bos_id is not None,
+        generation=dict(info.generation),
+        variants=[(file, quant)],
+        sha256={file: sha},
+    )
+
+
+def _facts(path: Path, hint: int | None, where: Path) -> tuple[str, int]:
+    """(quantization, context length) of a `.tflite`; refuses what is not an LLM export."""
+    from agent.runtime.modelfacts import context_length_of, quantization_of
+    from agent.runtime.modelfile import read_model_file
+
+    model = read_model_file(path)
+    try:
+        context, _ = context_length_of(model, hint)
+    except ModelFormatError as exc:
+        raise ModelFormatError(f"{where}: {exc}") from exc
+    return quantization_of(model), context
+
+
+# ----------------------------------------------------------------------------- folders
+
+
+def _json(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelFormatError(f"{path}: not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise ModelFormatError(f"{path}: expected a JSON object")
+    return doc
+
+
+def _token_text(doc: dict[str, Any], key: str, where: Path) -> str | None:
+    """``bos_token``/``eos_token``: a string, an AddedToken object ``{"content": ...}`` or null."""
+    value = doc.get(key)
+    if isinstance(value, dict):
+        value = value.get("content")
+    if value is None or isinstance(value, str):
+        return value or None
+    raise ModelFormatError(f"{where}: {key} = {value!r} should be a string or null")
+
+
+def _ids(doc: dict[str, Any] | None, key: str, where: Path) -> list[int]:
+    """An id or a list of ids (``eos_token_id``), as a list."""
+    value = None if doc is None else doc.get(key)
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ModelFormatError(f"{where}: {key} = {value!r} should be a token id or a list of ids")
+    return list(values)
+
+
+def _config_ids(config: dict[str, Any] | None, key: str, where: Path) -> list[int]:
+    """`config.json`'s ids, also where multimodal configs nest them (``text_config``)."""
+    found = _ids(config, key, where)
+    if not found and config is not None and isinstance(config.get("text_config"), dict):
+        found = _ids(config["text_config"], key, where)
+    return found
+
+
+def _template(src: Path, tok_config: dict[str, Any] | None) -> str:
+    where = src / "tokenizer_config.json"
+    value = None if tok_config is None else tok_config.get("chat_template")
+    if value is None and (src / "chat_template.jinja").is_file():
+        where = src / "chat_template.jinja"
+        value = where.read_text(encoding="utf-8")
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        if "default" not in named:
+            have = ", ".join(repr(n) for n in named) or "none"
+            raise ModelFormatError(
+                f"{where}: chat_template is a list without a 'default' template (names: {have})"
+            )
+        value = named["default"]
+    if not isinstance(value, str):
+        raise ModelFormatError(
+            f"{where}: chat_template = {value!r:.60} should be a string or a list of "
+            "{name, template} objects"
+        )
+    if "{%" in value or "{{" in value:
+        _check_jinja(value, where)
+    return value
+
+
+def _check_jinja(template: str, where: Path) -> None:
+    try:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:  # the chat code that renders it needs jinja2; without it, no check
+        return
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    try:
+        env.parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ModelFormatError(
+            f"{where}: chat_template is not valid Jinja (line {exc.lineno}: {exc.message})"
+        ) from exc
+
+
+def _generation(gen: dict[str, Any] | None, where: Path) -> dict[str, float]:
+    if gen is None or gen.get("do_sample") is False:
+        return {}
+    out = {}
+    for key in ("temperature", "top_k", "top_p"):
+        value = gen.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ModelFormatError(f"{where}: {key} = {value!r} should be a number")
+        out[key] = float(value)
+    return out
+
+
+def _pick_tflite(src: Path, files: Sequence[str]) -> list[Path]:
+    found = sorted(p for p in src.iterdir() if p.suffix == ".tflite" and p.is_file())
+    if files:
+        by_name = {p.name: p for p in found}
+        missing = [f for f in files if f not in by_name]
+        if missing:
+            raise ModelFormatError(f"{src}: no .tflite named {', '.join(missing)}")
+        found = [by_name[f] for f in dict.fromkeys(files)]
+    if not found:
+        raise ModelFormatError(f"{src}: no .tflite file (a model export) in the folder")
+    return found
+
+
+def _from_folder(
+    src: Path,
+    tmp: Path,
+    name: str | None,
+    version: str | None,
+    files: Sequence[str],
+    progress: Progress | None,
+) -> _Draft:
+    from agent.runtime.modelfacts import context_length_of, quantization_of
+    from agent.runtime.modelfile import read_model_file
+
+    tok_file = next((src / t for t in TOKENIZERS if (src / t).is_file()), None)
+    if tok_file is None:
+        raise ModelFormatError(f"{src}: no tokenizer ({' or '.join(TOKENIZERS)}) in the folder")
+    tok_config, gen, config = (_json(src / f) for f in SIDE_FILES)
+    vocab = Vocab(tok_file)
+    draft = _Draft(name=name or src.resolve().name, version=version or "0")
+    draft.chat_template = _template(src, tok_config)
+    draft.generation = _generation(gen, src / "generation_config.json")
+
+    by_quant: dict[str, Path] = {}
+    contexts: dict[int, Path] = {}
+    vocab_size = 0
+    for path in _pick_tflite(src, files):
+        model = read_model_file(path)
+        try:
+            context, layout = context_length_of(model)
+        except ModelFormatError as exc:
+            raise ModelFormatError(f"{path}: {exc}") from exc
+        quant = quantization_of(model)
+        if quant in by_quant:
+            raise ModelFormatError(
+                f"{path}: a second {quant} variant (beside {by_quant[quant].name}); a model "
+                "directory holds one file per quantization: pick one with --file"
+            )
+        by_quant[quant] = path
+        contexts.setdefault(context, path)
+        vocab_size = layout.vocab_size if not vocab_size else min(vocab_size, layout.vocab_size)
+    if len(contexts) > 1:
+        listed = ", ".join(f"{p.name}: {c}" for c, p in contexts.items())
+        raise ModelFormatError(
+            f"{src}: the variants have different context lengths ({listed}); a model "
+            "directory holds one: pick files of one length with --file"
+        )
+    draft.context_length = next(iter(contexts))
+    if vocab.size > vocab_size:
+        raise ModelFormatError(
+            f"{tok_file}: the tokenizer has {vocab.size} tokens but the model's vocabulary "
+            f"is {vocab_size}"
+        )
+
+    tc_where = src / "tokenizer_config.json"
+    gen_where = src / "generation_config.json"
+    cfg_where = src / "config.json"
+    bos_text = None if tok_config is None else _token_text(tok_config, "bos_token", tc_where)
+    eos_text = None if tok_config is None else _token_text(tok_config, "eos_token", tc_where)
+    gen_eos = _ids(gen, "eos_token_id", gen_where)
+    cfg_eos = _config_ids(config, "eos_token_id", cfg_where)
+    if bos_text is not None:
+        draft.bos_id = vocab.require(bos_text, f"{tc_where}: bos_token")
+    else:
+        bos = _ids(gen, "bos_token_id", gen_where) or _config_ids(config, "bos_token_id", cfg_where)
+        draft.bos_id = bos[0] if bos else None
+    if eos_text is not None:
+        draft.eos_id = vocab.require(eos_text, f"{tc_where}: eos_token")
+    else:
+        eos = gen_eos or cfg_eos
+        draft.eos_id = eos[0] if eos else None
+    more = gen_eos if gen is not None else cfg_eos
+    eos_first = [] if draft.eos_id is None else [draft.eos_id]
+    draft.stop_token_ids = list(dict.fromkeys([*eos_first, *more]))
+    for what, i in (("bos", draft.bos_id), *(("stop", s) for s in draft.stop_token_ids)):
+        if i is not None and not 0 <= i < vocab.size:
+            raise ModelFormatError(
+                f"{src}: {what} token id {i} is outside the tokenizer's {vocab.size} tokens"
+            )
+    add_bos = None if tok_config is None else tok_config.get("add_bos_token")
+    if add_bos is not None and not isinstance(add_bos, bool):
+        raise ModelFormatError(f"{tc_where}: add_bos_token = {add_bos!r} should be true or false")
+    if add_bos and draft.bos_id is None:
+        raise ModelFormatError(f"{tc_where}: add_bos_token is true but there is no bos_token")
+    if add_bos is None:
+        add_bos = draft.bos_id is not None and vocab.adds_bos(draft.bos_id)
+    draft.add_bos = add_bos
+
+    for quant, path in sorted(by_quant.items()):
+        draft.sha256[path.name] = copy_hashed(path, tmp / path.name, progress)
+        draft.variants.append((path.name, quant))
+    draft.tokenizer = tok_file.name
+    shutil.copyfile(tok_file, tmp / tok_file.name)
+    for side in SIDE_FILES:
+        if (src / side).is_file():
+            shutil.copyfile(src / side, tmp / side)
+    return draft
