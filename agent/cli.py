@@ -10,7 +10,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -107,6 +107,44 @@ def cmd_model_inspect(args: argparse.Namespace) -> int:
         from agent.runtime.inspect import format_report
 
         print(format_report(report))
+    return 0
+
+
+def _import_progress() -> Callable[[str, int, int], None]:
+    """Progress of copying and hashing files of 16 MiB or more: a line per 10% on stderr."""
+    shown: dict[str, int] = {}
+
+    def show(name: str, done: int, total: int) -> None:
+        if total < 16 << 20:
+            return
+        step = done * 10 // total
+        if shown.get(name, -1) < step:
+            shown[name] = step
+            print(
+                f"import: {name}: {done >> 20}/{total >> 20} MiB hashed ({step * 10}%)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    return show
+
+
+def cmd_model_import(args: argparse.Namespace) -> int:
+    from agent.modelimport import import_model
+
+    meta = import_model(
+        Path(args.src),
+        Path(args.output),
+        name=args.name,
+        version=args.version,
+        files=args.file,
+        progress=_import_progress(),
+    )
+    variants = ", ".join(f"{v.file} ({v.quantization})" for v in meta.variants)
+    print(
+        f"{meta.directory}: {meta.name} {meta.version}, context {meta.context_length}, "
+        f"{meta.tokenizer}, {variants}"
+    )
     return 0
 
 
@@ -397,22 +435,38 @@ def build_parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="model files")
     msub = model.add_subparsers(dest="model_command", required=True)
     p = msub.add_parser("inspect", help="signatures, KV layout, quantization, fused ops, sha256")
-    p.add_argument("path", help="a .tflite file or a model directory")
+    p.add_argument("path", help="a .tflite file, a model directory or a .litertlm bundle")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_model_inspect)
+    p = msub.add_parser(
+        "import", help="a model directory from a .litertlm or a downloaded export folder"
+    )
+    p.add_argument("src", help="a .litertlm bundle, or a folder with .tflite files and a tokenizer")
+    p.add_argument("-o", "--output", required=True, help="the model directory to write (new)")
+    p.add_argument("--name", help="model name (default: the bundle's or folder's name)")
+    p.add_argument("--version", help="model version (default: the bundle's, else 0)")
+    p.add_argument(
+        "--file", action="append", default=[], help="import only this .tflite (repeatable)"
+    )
+    p.set_defaults(func=cmd_model_import)
 
     p = sub.add_parser("generate", help="stream a completion from the model")
     p.add_argument("prompt")
     _profile_arg(p)
     p.add_argument("--root", default="/", help=argparse.SUPPRESS)
-    p.add_argument("--model", help="model directory (default: the profile's, else the demo model)")
+    p.add_argument(
+        "--model",
+        help="model directory or .litertlm bundle (default: the profile's, else the demo model)",
+    )
     p.add_argument("--quantization", help="pick this variant instead of the profile's choice")
     _sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("run", help="run the daemon (gRPC on a unix socket)")
     _profile_arg(p)
-    p.add_argument("--model", help="model directory (default: config, profile, demo model)")
+    p.add_argument(
+        "--model", help="model directory or .litertlm (default: config, profile, demo model)"
+    )
     p.add_argument("--quantization", help="pick this variant instead of the profile's choice")
     p.add_argument("--socket", help="unix socket path (default: /run/edge-agent/agent.sock)")
     p.add_argument("--tcp", help="also listen on HOST:PORT (loopback unless the config allows)")
