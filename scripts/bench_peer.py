@@ -274,9 +274,10 @@ def prompts_file(model: str, lengths: tuple[int, ...]) -> Path:
     ~30 MiB list of ids, and the heap it leaves behind) in its engine's peak RSS, and LiteRT-LM's
     worker would load a tokenizer it does not use.
     """
-    from agent.runtime.tokenizer import Tokenizer
+    from agent.modeldir import load_model_dir
+    from agent.runtime.tokenizer import load_tokenizer
 
-    tok = Tokenizer(Path(model) / "tokenizer.model")
+    tok = load_tokenizer(load_model_dir(Path(model)).tokenizer_path)
     ids = tok.encode("".join(p.read_text() for p in sorted((ROOT / "agent").rglob("*.py"))))
     texts = {str(n): str(tok.decode(ids[: n - 1])) for n in lengths}
     fd, name = tempfile.mkstemp(prefix="bench-prompts-", suffix=".json")

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.engine.chat import chat_ids, end_of_turn_ids, template_for
 from agent.engine.generation import Generation
 from agent.engine.sampler import Sampler, SamplingParams
 from agent.engine.scheduler import Scheduler
@@ -47,7 +48,7 @@ from agent.kv.snapshot import KVSnapshot
 from agent.modeldir import ModelMeta, Variant, open_model, sha256_file, unpack_cache_dir
 from agent.profile import DeviceProfile, choose_quantization
 from agent.runtime import litert
-from agent.runtime.tokenizer import Tokenizer
+from agent.runtime.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +200,10 @@ class Engine:
                 raise ModelFormatError(
                     f"{path}: sha256 {actual} does not match metadata {variant.sha256}"
                 )
-        self.tokenizer = Tokenizer(self.meta.tokenizer_path)
+        self.tokenizer: Tokenizer = load_tokenizer(self.meta.tokenizer_path)
+        self.chat = template_for(
+            self.meta.chat_template, self.tokenizer, self.meta.bos_id, self.meta.eos_id
+        )
         self.loaded = litert.load(
             path,
             profile,
@@ -249,7 +253,8 @@ class Engine:
             memory=self.memory,
             prepared=self.loaded.prepared,
         )
-        self._stop_ids = self.meta.stop_ids
+        # the template's end-of-turn token ends an answer even if metadata.json omits it
+        self._stop_ids = self.meta.stop_ids | end_of_turn_ids(self.chat, self.tokenizer)
         self._sched: Scheduler[_Prepared] = Scheduler(max_active, self.limits.queue_capacity)
         pool = KVPool(
             runner.new_kv,
@@ -292,16 +297,32 @@ class Engine:
 
     # ------------------------------------------------------------------ validation
 
-    def encode_prompt(self, request: GenerateRequest) -> list[int]:
-        if not request.prompt:
+    def _turn_ids(self, request: GenerateRequest, *, first: bool) -> list[int]:
+        """A prompt's ids, or a chat's (rendered by its template; `first`: no earlier turn
+        in the KV). BOS/EOS are added to a plain prompt only: a chat template writes its own."""
+        prompt = request.prompt
+        if request.messages:
+            chars = sum(len(m.content) for m in request.messages)
+            if chars > MAX_PROMPT_CHARS:
+                raise InvalidRequest(f"chat is {chars} characters; at most {MAX_PROMPT_CHARS}")
+            rendered = chat_ids(self.chat, self.tokenizer, request.messages, continuing=not first)
+            if not isinstance(rendered, str):
+                return rendered
+            prompt = rendered  # the old {system}/{user} form: a plain prompt
+        if not prompt:
             raise InvalidRequest("prompt is empty")
-        if len(request.prompt) > MAX_PROMPT_CHARS:
-            raise InvalidRequest(
-                f"prompt is {len(request.prompt)} characters; at most {MAX_PROMPT_CHARS}"
-            )
-        ids = self.tokenizer.encode(request.prompt)
-        if request.add_bos and self.meta.add_bos and self.meta.bos_id is not None:
-            ids = [self.meta.bos_id, *ids]
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise InvalidRequest(f"prompt is {len(prompt)} characters; at most {MAX_PROMPT_CHARS}")
+        ids = self.tokenizer.encode(prompt)
+        bos, eos = self.meta.bos_id, self.meta.eos_id
+        if first and request.add_bos and self.meta.add_bos and bos is not None:
+            ids = [bos, *ids]
+        if self.tokenizer.config.add_eos_token and eos is not None:
+            ids = [*ids, eos]
+        return ids
+
+    def encode_prompt(self, request: GenerateRequest) -> list[int]:
+        ids = self._turn_ids(request, first=True)
         ctx = self.info.context_length
         if len(ids) >= ctx:  # at least one row must stay free for the first generated token
             raise ContextOverflow(len(ids), ctx)
@@ -336,16 +357,11 @@ class Engine:
         deadline: float | None,
     ) -> _Prepared:
         """A turn of a session: feed only what the cache does not hold yet."""
-        if not request.prompt:
-            raise InvalidRequest("prompt is empty")
-        new = self.tokenizer.encode(request.prompt)
         with self._cv:
             session = self._store.get(request.session_id or "", request.owner)
             if session.busy:
                 raise SessionBusy(f"session {session.id} already has a request running")
-            bos = self.meta.bos_id
-            if request.add_bos and self.meta.add_bos and bos is not None and not session.tokens:
-                new = [bos, *new]
+            new = self._turn_ids(request, first=not session.tokens)
             dropped = self._fit_context(session, new, max_tokens)
             self._store.prepare(session)
             if session.tokens:

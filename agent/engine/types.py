@@ -12,8 +12,18 @@ TIERS = ("empty", "bound", "host", "disk")  # where a session's KV lives ("empty
 
 
 @dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str  # "system" | "user" | "assistant"
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateRequest:
-    """One generation. `max_tokens` / sampling fall back to the profile's defaults when None."""
+    """One generation. `max_tokens` / sampling fall back to the profile's defaults when None.
+
+    A chat sets `messages` (and leaves `prompt` empty): the engine renders them through the
+    model's chat template (`agent.engine.chat`); with `session_id`, only the new turn's.
+    """
 
     prompt: str
     max_tokens: int | None = None
@@ -22,6 +32,7 @@ class GenerateRequest:
     add_bos: bool = True
     session_id: str | None = None  # continue this session's conversation
     owner: str = ""  # the caller's identity; a session answers only to the one that made it
+    messages: tuple[ChatMessage, ...] = ()  # a chat instead of a prompt
 
 
 @dataclass(frozen=True, slots=True)

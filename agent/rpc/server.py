@@ -30,7 +30,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from agent.config import AgentConfig, ServerConfig
-from agent.engine.chat import ChatMessage, render_chat
+from agent.engine.chat import ChatMessage, check_messages
 from agent.engine.engine import Engine
 from agent.engine.sampler import SamplingParams
 from agent.engine.types import GenerateRequest, SessionInfo, TierStats, TokenEvent
@@ -99,9 +99,11 @@ def to_request(
 ) -> GenerateRequest:
     """Wire → domain, with every field checked; `owner` is the caller (see `AgentService`)."""
     which = msg.WhichOneof("input")
+    messages: tuple[ChatMessage, ...] = ()
+    prompt = ""
     if which == "chat":
-        messages = [ChatMessage(m.role, m.content) for m in msg.chat.messages]
-        prompt = render_chat(messages, engine.meta.chat_template)
+        messages = tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages)
+        check_messages(messages)
     elif which == "prompt":
         prompt = msg.prompt
     else:
@@ -126,6 +128,7 @@ def to_request(
         stop=tuple(msg.stop),
         session_id=msg.session_id or None,
         owner=owner,
+        messages=messages,
     )
 
 

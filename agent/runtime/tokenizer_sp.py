@@ -1,4 +1,4 @@
-"""SentencePiece tokenizer with streaming-safe UTF-8 detokenization.
+"""SentencePiece tokenizer (``tokenizer.model``) with streaming-safe UTF-8 detokenization.
 
 Every id maps to the exact bytes it stands for (byte-fallback pieces ``<0xNN>`` to that byte,
 ``▁`` to a space, control tokens to nothing). A stream of ids is turned into text through an
@@ -16,22 +16,37 @@ from pathlib import Path
 import sentencepiece as spm
 
 from agent.errors import InvalidRequest, ModelFormatError
+from agent.runtime.tokenizer import TokenizerConfig, read_tokenizer_config
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _SPACE = "\u2581"
 
 
-class Tokenizer:
-    """Encode text to ids and decode ids to text (whole or streamed)."""
+class SentencePieceTokenizer:
+    """Encode text to ids and decode ids to text (whole or streamed).
 
-    def __init__(self, path: Path) -> None:
+    SentencePiece itself never matches control pieces (``<bos>``, ``<start_of_turn>`` when
+    the model declares it so) in text, and always matches user-defined pieces. `special=True`
+    (a chat template's own text) also turns control-piece text into those ids, as Hugging
+    Face's tokenizers do with their special tokens; `special=False` leaves SentencePiece alone
+    (user-defined pieces, such as the demo model's ``\n``, are ordinary text there).
+    """
+
+    kind = "sentencepiece"
+
+    def __init__(self, path: Path, config: TokenizerConfig | None = None) -> None:
         try:
             self._sp = spm.SentencePieceProcessor(model_file=str(path))
         except (OSError, RuntimeError) as exc:
             raise ModelFormatError(f"{path}: not a SentencePiece model: {exc}") from exc
         self.path = path
+        self.config = config if config is not None else read_tokenizer_config(path.parent)
         self.vocab_size: int = self._sp.get_piece_size()
         self._bytes = [self._piece_bytes(i) for i in range(self.vocab_size)]
+        sp = self._sp
+        self.special_ids = frozenset(i for i in range(self.vocab_size) if sp.is_control(i))
+        texts = sorted({sp.id_to_piece(i) for i in self.special_ids}, key=len, reverse=True)
+        self._special = re.compile("|".join(re.escape(t) for t in texts if t)) if texts else None
         # Models trained with a dummy prefix start every text with "▁"; decode() drops it once.
         first = self._sp.encode("a")
         self._strip_leading_space = bool(first) and self._sp.id_to_piece(first[0]).startswith(
@@ -50,12 +65,41 @@ class Tokenizer:
             return " \u2047 ".encode()  # what sentencepiece's own decode renders for unk
         return piece.replace(_SPACE, " ").encode("utf-8")
 
-    def encode(self, text: str) -> list[int]:
-        """Text → ids (no bos/eos added)."""
+    def encode(self, text: str, *, special: bool = False) -> list[int]:
+        """Text → ids (no bos/eos added); `special`: control-piece text becomes their ids."""
         try:
-            return list(self._sp.encode(text))
+            if not special or self._special is None:
+                return list(self._sp.encode(text))
+            ids: list[int] = []
+            pos = 0
+            for m in self._special.finditer(text):
+                if m.start() > pos:
+                    ids += self._sp.encode(text[pos : m.start()])
+                ids.append(int(self._sp.piece_to_id(m.group())))
+                pos = m.end()
+            if pos < len(text):
+                ids += self._sp.encode(text[pos:])
+            return ids
         except (TypeError, RuntimeError) as exc:
             raise InvalidRequest(f"cannot tokenize: {exc}") from exc
+
+    def encode_pieces(self, pieces: Sequence[tuple[str, bool]]) -> list[int]:
+        """Each run on its own: template runs with special text on, content runs off."""
+        ids: list[int] = []
+        for text, template in pieces:
+            ids += self.encode(text, special=template)
+        return ids
+
+    def token_text(self, token_id: int) -> str:
+        """The piece's own text (``<bos>``, ``<start_of_turn>``): what a template writes."""
+        if not 0 <= token_id < self.vocab_size:
+            raise InvalidRequest(f"token id {token_id} is out of range [0, {self.vocab_size})")
+        return str(self._sp.id_to_piece(token_id))
+
+    def token_id(self, text: str) -> int | None:
+        """The id of a piece given by its text, None when there is no such piece."""
+        i = int(self._sp.piece_to_id(text))
+        return None if i == self._sp.unk_id() and text != self._sp.id_to_piece(i) else i
 
     def token_bytes(self, token_id: int) -> bytes:
         if not 0 <= token_id < self.vocab_size:
@@ -67,15 +111,15 @@ class Tokenizer:
         stream = self.stream()
         return stream.push_many(ids) + stream.flush()
 
-    def stream(self) -> DetokenizeStream:
+    def stream(self) -> SentencePieceStream:
         """A fresh incremental detokenizer."""
-        return DetokenizeStream(self)
+        return SentencePieceStream(self)
 
 
-class DetokenizeStream:
+class SentencePieceStream:
     """Turns ids into text deltas; never emits half a character and never drops one."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: SentencePieceTokenizer) -> None:
         self._tok = tokenizer
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._at_start = tokenizer._strip_leading_space
