@@ -726,6 +726,8 @@ def load(
     for i, acc in enumerate(chain):
         nxt = chain[i + 1] if i + 1 < len(chain) else "nothing"
         use_layout, use_plan = (layout, plan) if acc == "npu" else cpu
+        if acc != "npu" and prepared.fresh:
+            checks.reference()  # now: its runner is closed before the copy's opens
         try:
             try:
                 runner, kind = _open(path, use_layout, profile, acc, prefer_interpreter, prepared)
@@ -784,21 +786,29 @@ class _Checks:
     ) -> None:
         self.path, self.model, self.layout, self.profile = path, model, layout, profile
         self.cache_key = cache_key
-        self._probe: check.Probe | None = None
+        self._probe: check.Probe | str | None = None  # the reference, or why there is none
         self.refused: str | None = None  # the prepared copy's refusal, as status shows it
 
-    def probe(self) -> check.Probe:
+    def reference(self) -> check.Probe | str:
+        """What the original file computes on XNNPACK (computed once), or why it could not
+        be had. Its runner packs the weights in memory and is closed before this returns, so
+        a first load's peak holds one packed model, not two."""
         if self._probe is None:
             rt = self.profile.runtime
-            ref = _InterpreterRunner(
-                self.path, self.layout, "xnnpack", rt.num_threads, None, rt.backend
-            )
             try:
-                self._probe = check.reference(ref, self.model)
-            finally:
-                ref.close()
-                del ref
-                give_back_memory()
+                ref = _InterpreterRunner(
+                    self.path, self.layout, "xnnpack", rt.num_threads, None, rt.backend
+                )
+                try:
+                    self._probe = check.reference(ref, self.model)
+                finally:
+                    ref.close()
+                    del ref
+            except (OSError, RuntimeError, ValueError) as exc:
+                self._probe = f"the original file did not run on XNNPACK: {_first_line(exc)}"
+            except check.NonFiniteReference as exc:
+                self._probe = str(exc)
+            give_back_memory()
         return self._probe
 
     def run(
@@ -838,12 +848,9 @@ class _Checks:
         return prepared
 
     def _problem(self, runner: Runner, what: str) -> str | None:
-        try:
-            want = self.probe()
-        except (OSError, RuntimeError, ValueError) as exc:
-            return f"the original file did not run on XNNPACK to check {what}: {_first_line(exc)}"
-        except check.NonFiniteReference as exc:
-            return str(exc)
+        want = self.reference()
+        if isinstance(want, str):
+            return want
         problem = check.compare(runner, want)
         give_back_memory()
         if problem is None:
