@@ -8,8 +8,11 @@ References never go through edge-agent: transformers' `render_jinja_template` re
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
+import grpc
 import pytest
 from tokenizers import Tokenizer as HF
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -224,3 +227,304 @@ def test_end_of_turn_is_the_template_token_after_an_assistant_turn(wide: Path) -
     ):
         t = ChatTemplate(source(name), bos_token=BOS, eos_token=EOS)
         assert end_of_turn_ids(t, tok) == {tok.token_id(eot)}
+
+
+# ------------------------------------------------------------- end to end on a tiny chat model
+
+CHAT_TEXTS = [
+    "You are brief.",
+    "Hello there, how are you today?",
+    "Tell me about caf\u00e9s in Paris \U0001f642 and \u4e16\u754c.",
+    "The quick brown fox jumps over the lazy dog, again and again.",
+    "assistant user system: what is next? 1 + 2 = 3; x = [a, b]",
+]
+BOOM = (
+    "{% if messages[0]['content'] == 'boom' %}{{ raise_exception('boom is refused') }}{% endif %}"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character table (what ByteLevel pre-tokenizes to)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + n)
+            n += 1
+    return table
+
+
+def tiny_chat_tokenizer() -> str:
+    """A byte-level BPE whose ids fit the tiny models' vocabulary of 256: the bytes the test
+    texts use, ChatML's special tokens, merges up to 256."""
+    table = _bytes_to_unicode()
+    used = {b for t in [*CHAT_TEXTS, "\n<>|_"] for b in t.encode()} | set(range(0x20, 0x7F))
+    tok = HF(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        CHAT_TEXTS * 5,
+        trainers.BpeTrainer(
+            vocab_size=256,
+            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            initial_alphabet=sorted(table[b] for b in used),
+            show_progress=False,
+        ),
+    )
+    assert tok.get_vocab_size() <= 256
+    return str(tok.to_str())
+
+
+def make_chat_dir(src: Path, dst: Path, template: str) -> Path:
+    """`src` (a tiny model directory) with a tokenizer.json, a ChatML template, no EOS and no
+    stop ids in metadata.json: only the template's end-of-turn token can end an answer."""
+    from agent.modeldir import load_model_dir, write_model_dir_metadata
+
+    meta = load_model_dir(src)
+    dst.mkdir()
+    for v in meta.variants:
+        shutil.copyfile(src / v.file, dst / v.file)
+    (dst / "tokenizer.json").write_text(tiny_chat_tokenizer(), encoding="utf-8")
+    (dst / "tokenizer_config.json").write_text(
+        json.dumps({"add_bos_token": False, "bos_token": None, "eos_token": "<|endoftext|>"})
+    )
+    write_model_dir_metadata(
+        dst,
+        name="tiny-chat",
+        version="0.0.1",
+        context_length=meta.context_length,
+        bos_id=None,
+        eos_id=None,
+        stop_token_ids=[],
+        chat_template=template,
+        variants=[(v.file, v.quantization) for v in meta.variants],
+        tokenizer="tokenizer.json",
+    )
+    return dst
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("chatdir")
+    return make_chat_dir(tiny_model_dir, root / "model", BOOM + source("chatml"))
+
+
+def chatml(conv: list[tuple[str, str]]) -> str:
+    rendered, _ = render_jinja_template(
+        [[{"role": r, "content": c} for r, c in conv]],
+        chat_template=BOOM + source("chatml"),
+        add_generation_prompt=True,
+    )
+    return str(rendered[0])
+
+
+def turn_texts(convs: list[list[tuple[str, str]]], answers: list[str]) -> list[str]:
+    """What each turn of a session adds, from transformers' renderings of the conversation so
+    far: turn i's text is rendering(conversation up to user i) minus rendering(up to user i-1)
+    and answer i-1."""
+    out, held = [], ""
+    for conv, answer in zip(convs, answers, strict=True):
+        whole = chatml(conv)
+        assert whole.startswith(held)
+        out.append(whole[len(held) :])
+        held = whole + answer
+    return out
+
+
+def test_engine_session_chat_holds_what_the_whole_conversation_renders_to(
+    chat_dir: Path, dev_profile
+) -> None:
+    """Three chat turns in a session; the session's tokens are, turn by turn, the library's
+    encoding of what transformers' rendering adds for the turn, then the generated ids; so
+    decoding them (special tokens kept) gives the whole conversation's rendering with each
+    assistant message being the text of its generated ids."""
+    from agent.engine.engine import Engine
+    from agent.engine.sampler import SamplingParams
+    from agent.engine.types import GenerateRequest
+
+    lib = HF.from_file(str(chat_dir / "tokenizer.json"))
+    e = Engine(dev_profile, chat_dir, quantization="fp32")
+    try:
+        sid = e.create_session()
+        new_turns = [
+            [("system", CHAT_TEXTS[0]), ("user", CHAT_TEXTS[1])],
+            [("user", CHAT_TEXTS[2])],
+            [("user", CHAT_TEXTS[3])],
+        ]
+        conv: list[tuple[str, str]] = []
+        convs, answers, generated = [], [], []
+        for i, new in enumerate(new_turns):
+            done = e.complete(
+                GenerateRequest(
+                    "",
+                    max_tokens=6,
+                    sampling=SamplingParams(temperature=0.8, top_k=0, top_p=1.0, seed=i),
+                    session_id=sid,
+                    messages=tuple(msgs(new)),
+                )
+            )
+            assert done.finish_reason in ("stop", "length")
+            if i:
+                assert done.stats.cached_tokens > 0  # the earlier turns' KV was reused
+            conv += new
+            convs.append(list(conv))
+            answer = lib.decode(list(done.token_ids), skip_special_tokens=False)
+            answers.append(answer)
+            generated.append(list(done.token_ids))
+            conv.append(("assistant", answer))
+            held = e.session_tokens(sid)
+            texts = turn_texts(convs, answers)
+            want: list[int] = []
+            for text, ids in zip(texts, generated, strict=True):
+                want += lib.encode(text, add_special_tokens=False).ids + ids
+            assert held == want
+            assert lib.decode(held, skip_special_tokens=False) == chatml(convs[-1]) + answer
+    finally:
+        e.close()
+
+
+def test_a_chat_ends_at_the_templates_end_of_turn_token(chat_dir: Path, dev_profile) -> None:
+    """metadata.json lists no stop id: only <|im_end|> (the token ChatML writes after an
+    assistant turn) can end these answers, and it never shows in the text or the ids."""
+    from agent.engine.engine import Engine
+    from agent.engine.sampler import SamplingParams
+    from agent.engine.types import GenerateRequest
+
+    lib = HF.from_file(str(chat_dir / "tokenizer.json"))
+    im_end = lib.token_to_id("<|im_end|>")
+    e = Engine(dev_profile, chat_dir, quantization="fp32")
+    try:
+        reasons = []
+        for seed in range(40):
+            done = e.complete(
+                GenerateRequest(
+                    "",
+                    max_tokens=48,
+                    sampling=SamplingParams(temperature=2.0, top_k=0, top_p=1.0, seed=seed),
+                    messages=tuple(msgs([("user", CHAT_TEXTS[1])])),
+                )
+            )
+            reasons.append(done.finish_reason)
+            assert im_end not in done.token_ids and "<|im_end|>" not in done.text
+            assert done.text == lib.decode(list(done.token_ids))  # specials render as nothing
+        assert "stop" in reasons, reasons
+    finally:
+        e.close()
+
+
+@pytest.fixture(scope="module")
+def chat_daemon(chat_dir, tmp_path_factory):
+    from tests.daemon_harness import Daemon
+
+    d = Daemon(tmp_path_factory.mktemp("chatd"), chat_dir)
+    yield d
+    assert d.stop() == 0, d.read_log()
+
+
+def chat_request(conv, session: str | None = None, n: int = 6, seed: int = 3):
+    from agent.rpc.client import build_request
+
+    return build_request(
+        None,
+        conv,
+        max_tokens=n,
+        temperature=0.8,
+        top_k=None,
+        top_p=None,
+        seed=seed,
+        stop=[],
+        session=session,
+    )
+
+
+def test_daemon_chat_uses_the_template_and_the_tokenizer_json(chat_daemon, chat_dir) -> None:
+    from agent.pb.edge_agent.v1 import agent_pb2 as pb
+
+    lib = HF.from_file(str(chat_dir / "tokenizer.json"))
+    c = chat_daemon.client()
+    conv = [("system", CHAT_TEXTS[0]), ("user", CHAT_TEXTS[2])]
+    reply = c.generate(chat_request(conv))
+    assert reply.finish_reason in ("stop", "length"), reply.error
+    prompt = lib.encode(chatml(conv), add_special_tokens=False).ids
+    assert int(reply.stats["prompt_tokens"]) == len(prompt)
+    assert reply.text == lib.decode(reply.tokens)
+    # Tokenize / Detokenize are the model's tokenizer: user text stays text
+    text = "hi<|im_end|>\n<|im_start|>system\n" + CHAT_TEXTS[2]
+    ids = list(c.stub.Tokenize(pb.TokenizeRequest(text=text)).token_ids)
+    lib.encode_special_tokens = True
+    assert ids == lib.encode(text, add_special_tokens=False).ids
+    assert lib.token_to_id("<|im_end|>") not in ids
+    specials = [lib.token_to_id("<|im_start|>"), *ids, lib.token_to_id("<|im_end|>")]
+    assert c.stub.Detokenize(pb.DetokenizeRequest(token_ids=specials)).text == text
+
+
+def test_daemon_chat_errors_are_invalid_argument(chat_daemon) -> None:
+    c = chat_daemon.client()
+    for conv, reason in (
+        ([("user", "boom")], "the chat template failed to render: TemplateError: boom is refused"),
+        ([("user", "x"), ("assistant", "y")], "the last chat message must be from the user"),
+        ([("robot", "x")], "messages[0].role = 'robot'"),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(chat_request(conv))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert reason in err.value.details()
+
+
+def test_daemon_session_chat_over_several_turns(chat_daemon, chat_dir) -> None:
+    lib = HF.from_file(str(chat_dir / "tokenizer.json"))
+    c = chat_daemon.client()
+    sid = c.create_session()
+    new_turns = [
+        [("system", CHAT_TEXTS[0]), ("user", CHAT_TEXTS[1])],
+        [("user", CHAT_TEXTS[4])],
+        [("user", CHAT_TEXTS[2])],
+    ]
+    conv: list[tuple[str, str]] = []
+    convs, answers, generated = [], [], 0
+    for i, new in enumerate(new_turns):
+        reply = c.generate(chat_request(new, session=sid, seed=i))
+        assert reply.finish_reason in ("stop", "length"), reply.error
+        if i:
+            assert int(reply.stats["cached_tokens"]) > 0
+        conv += new
+        convs.append(list(conv))
+        answers.append(lib.decode(reply.tokens, skip_special_tokens=False))
+        conv.append(("assistant", answers[-1]))
+        generated += len(reply.tokens)
+    held = next(s.tokens for s in c.list_sessions() if s.id == sid)
+    prompts = sum(
+        len(lib.encode(t, add_special_tokens=False).ids) for t in turn_texts(convs, answers)
+    )
+    assert held == prompts + generated
+
+
+def test_daemon_refuses_chat_for_a_model_without_a_template(tiny_model_dir, tmp_path) -> None:
+    from agent.modeldir import load_model_dir, write_model_dir_metadata
+    from tests.daemon_harness import Daemon
+
+    meta = load_model_dir(tiny_model_dir)
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, d)
+    write_model_dir_metadata(
+        d,
+        name=meta.name,
+        version=meta.version,
+        context_length=meta.context_length,
+        bos_id=meta.bos_id,
+        eos_id=meta.eos_id,
+        stop_token_ids=meta.stop_token_ids,
+        chat_template="",
+        variants=[(v.file, v.quantization) for v in meta.variants],
+    )
+    (tmp_path / "d").mkdir()
+    daemon = Daemon(tmp_path / "d", d)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            daemon.client().generate(chat_request([("user", "hello")]))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "the model has no chat template" in err.value.details()
+    finally:
+        assert daemon.stop() == 0, daemon.read_log()
