@@ -305,9 +305,16 @@ def cmd_client_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_client_chat(args: argparse.Namespace) -> int:
+    from agent.errors import InvalidRequest
+
     chat: list[tuple[str, str]] = []
     if args.system:
         chat.append(("system", args.system))
+    for turn in args.turn or ():
+        role, sep, text = turn.partition(":")
+        if not sep or role not in ("user", "assistant"):
+            raise InvalidRequest(f"--turn {turn!r}: expected user:TEXT or assistant:TEXT")
+        chat.append((role, text))
     chat.append(("user", args.message))
     return _generate_via_socket(args, chat)
 
@@ -503,6 +510,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = csub.add_parser("chat", help="one chat turn through the daemon")
     p.add_argument("message")
     p.add_argument("--system", help="system message")
+    p.add_argument(
+        "--turn",
+        action="append",
+        metavar="ROLE:TEXT",
+        help="an earlier message (user:... or assistant:...), in order, before MESSAGE",
+    )
     p.add_argument("--session", help="continue this session")
     client_common(p)
     _sampling_args(p)

@@ -528,3 +528,31 @@ def test_daemon_refuses_chat_for_a_model_without_a_template(tiny_model_dir, tmp_
         assert "the model has no chat template" in err.value.details()
     finally:
         assert daemon.stop() == 0, daemon.read_log()
+
+
+def test_cli_chat_sends_earlier_turns(chat_daemon, chat_dir) -> None:
+    import subprocess
+    import sys
+
+    lib = HF.from_file(str(chat_dir / "tokenizer.json"))
+    conv = [
+        ("system", CHAT_TEXTS[0]),
+        ("user", CHAT_TEXTS[1]),
+        ("assistant", CHAT_TEXTS[3]),
+        ("user", CHAT_TEXTS[2]),
+    ]
+    cmd = [sys.executable, "-m", "agent", "client", "chat", CHAT_TEXTS[2], "--system", conv[0][1]]
+    cmd += ["--turn", f"user:{conv[1][1]}", "--turn", f"assistant:{conv[2][1]}"]
+    cmd += ["--max-tokens", "4", "--json", "--socket", str(chat_daemon.socket)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["stats"]["prompt_tokens"] == len(lib.encode(chatml(conv)).ids)
+    bad = subprocess.run(
+        [*cmd[:8], "--turn", "robot:x", "--socket", str(chat_daemon.socket)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "--turn 'robot:x': expected user:TEXT or assistant:TEXT" in bad.stderr

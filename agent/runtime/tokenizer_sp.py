@@ -84,10 +84,24 @@ class SentencePieceTokenizer:
             raise InvalidRequest(f"cannot tokenize: {exc}") from exc
 
     def encode_pieces(self, pieces: Sequence[tuple[str, bool]]) -> list[int]:
-        """Each run on its own: template runs with special text on, content runs off."""
+        """Control-piece text in template runs becomes those ids; all the text between them
+        (template and content alike) is encoded in one call, as the whole text would be:
+        SentencePiece never matches control pieces in text, so content stays text."""
         ids: list[int] = []
-        for text, template in pieces:
-            ids += self.encode(text, special=template)
+        text = ""
+        for run, template in pieces:
+            pos = 0
+            if template and self._special is not None:
+                for m in self._special.finditer(run):
+                    text += run[pos : m.start()]
+                    if text:
+                        ids += self.encode(text)
+                    text = ""
+                    ids.append(int(self._sp.piece_to_id(m.group())))
+                    pos = m.end()
+            text += run[pos:]
+        if text:
+            ids += self.encode(text)
         return ids
 
     def token_text(self, token_id: int) -> str:
