@@ -556,3 +556,49 @@ def test_cli_chat_sends_earlier_turns(chat_daemon, chat_dir) -> None:
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "--turn 'robot:x': expected user:TEXT or assistant:TEXT" in bad.stderr
+
+
+def test_sentencepiece_chat_gets_control_ids_only_from_the_template(tmp_path: Path) -> None:
+    """A Gemma-style SentencePiece model (``<start_of_turn>``/``<end_of_turn>`` as control
+    pieces): the template's turn markers become their ids, a user's identical text does not."""
+    import io
+    import re
+
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([c for conv in CONVERSATIONS.values() for _, c in conv] * 20),
+        model_writer=buf,
+        vocab_size=600,
+        hard_vocab_limit=False,
+        byte_fallback=True,
+        add_dummy_prefix=False,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        control_symbols=["<start_of_turn>", "<end_of_turn>"],
+        bos_piece="<bos>",
+        eos_piece="<eos>",
+        minloglevel=2,
+    )
+    path = tmp_path / "tokenizer.model"
+    path.write_bytes(buf.getvalue())
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    ours = load_tokenizer(path)
+    control = {sp.piece_to_id(p) for p in ("<start_of_turn>", "<end_of_turn>", "<bos>")}
+    marker = re.compile("<start_of_turn>|<end_of_turn>|<bos>")
+    t = ChatTemplate(source("gemma3"), bos_token="<bos>", eos_token="<eos>")
+    for key, conv in CONVERSATIONS.items():
+        rendered, _ = render_jinja_template(
+            [[{"role": r, "content": c} for r, c in conv]],
+            chat_template=source("gemma3"),
+            add_generation_prompt=True,
+            bos_token="<bos>",
+            eos_token="<eos>",
+        )
+        text = str(rendered[0])
+        ids = encode_pieces(t.pieces(msgs(conv)), ours)
+        in_contents = sum(len(marker.findall(c)) for _, c in conv)
+        assert sum(1 for i in ids if i in control) == len(marker.findall(text)) - in_contents
+        if key != "special text in contents":
+            assert sp.decode(ids) == marker.sub("", text)  # control pieces decode to nothing
