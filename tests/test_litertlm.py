@@ -348,10 +348,13 @@ def test_metadata_templates_tokens_and_sampler(
         {"role": "assistant", "content": "hello"},
         {"role": "user", "content": "again"},
     ]
-    got = env.from_string(meta.chat_template).render(messages=messages, add_generation_prompt=True)
+    got = env.from_string(meta.chat_template).render(
+        messages=messages, add_generation_prompt=True, bos_token="<s>"
+    )
     role = {"system": "system", "user": "user", "assistant": "model"}
     want = (
-        "".join(
+        "<s>"  # LiteRT-LM starts the first turn with the start token
+        + "".join(
             affixes[role[m["role"]]][0] + m["content"] + affixes[role[m["role"]]][1]
             for m in messages
         )
@@ -369,7 +372,7 @@ def test_metadata_templates_tokens_and_sampler(
     assert open_model(b2, tmp_path / "c").chat_template == jinja
 
 
-def test_hf_tokenizer_bundle(tmp_path: Path, tiny_int8: Path) -> None:
+def test_hf_tokenizer_bundle(tmp_path: Path, tiny_int8: Path, make_profile: Any) -> None:
     """A zlib-compressed tokenizer.json comes back byte for byte; stop tokens given as text
     resolve to the ids Hugging Face tokenizers gives them."""
     from tokenizers import Tokenizer
@@ -392,3 +395,42 @@ def test_hf_tokenizer_bundle(tmp_path: Path, tiny_int8: Path) -> None:
     assert meta.bos_id == ref.token_to_id("<|endoftext|>")
     assert meta.stop_token_ids == (ref.token_to_id("<|im_end|>"),)
     assert meta.eos_id == ref.token_to_id("<|im_end|>")
+    profile = make_profile(runtime={"xnnpack_weight_cache_dir": str(tmp_path / "xnnpack")})
+    ids = [meta.bos_id, *ref.encode(PROMPT).ids]
+    want = reference_greedy(tiny_int8, ids, 12, set(meta.stop_ids), ref.get_vocab_size())
+    assert greedy(profile, b, 12) == want and len(set(want)) > 1
+
+
+def test_the_daemon_serves_a_bundle_as_given(
+    bundle: Path, tiny_tokenizer: Path, tmp_path: Path
+) -> None:
+    """`edge-agent run --model X.litertlm`: real gRPC over a unix socket; the bundle is
+    extracted beside the daemon's weight cache in its state directory."""
+    import sentencepiece as spm
+
+    from agent.rpc.client import build_request
+    from tests.daemon_harness import Daemon
+
+    d = Daemon(tmp_path, bundle)
+    try:
+        c = d.client()
+        info = c.info()
+        assert info["name"] == "tiny-int8" and info["quantization"] == "int8"
+        request = build_request(
+            PROMPT,
+            None,
+            max_tokens=12,
+            temperature=0.0,
+            top_k=None,
+            top_p=None,
+            seed=None,
+            stop=[],
+        )
+        got = list(c.generate(request).tokens)
+    finally:
+        assert d.stop() == 0
+    unpacked = unpack(bundle, tmp_path / "unpacked")
+    sp = spm.SentencePieceProcessor(model_file=str(tiny_tokenizer))
+    tflite = unpacked / "Section2_TFLiteModel_tf_lite_prefill_decode.tflite"
+    assert got == reference_greedy(tflite, [BOS, *sp.encode(PROMPT)], 12, {EOS})
+    assert (tmp_path / "state" / "cache" / "litertlm" / f"{sha256(tflite)}.tflite").exists()

@@ -4,9 +4,10 @@ what a `ModelMeta` records: start and stop token ids, the chat template, sampler
 The protobuf is litert-lm-builder's generated ``llm_metadata_pb2``. Tokens are given either as
 ids or as text (resolved through the bundle's own tokenizer, `agent.runtime.vocab`). A chat
 template is either Jinja (``jinja_prompt_template``, used as it is) or per-role prefix/suffix
-pairs (``prompt_templates``), which are written here as the equivalent Jinja template:
-``system``/``user``/``model`` prefix + content + suffix per message, the model's prefix as the
-generation prompt — what LiteRT-LM does with them. The affixes become Jinja string literals
+pairs (``prompt_templates``), which are written here as the equivalent Jinja template: the
+BOS token first (when the bundle has a start token), then ``system``/``user``/``model`` prefix
++ content + suffix per message, the model's prefix as the generation prompt — what LiteRT-LM
+does with them. The affixes become Jinja string literals
 (every character outside printable ASCII escaped), so no affix text is ever read as Jinja.
 """
 
@@ -60,20 +61,24 @@ def jinja_literal(text: str) -> str:
     """`text` as a Jinja string literal that renders to exactly `text`."""
     out = []
     for ch in text:
-        if ch in "\\\"" or not (" " <= ch <= "~"):
+        if ch in '\\"' or not (" " <= ch <= "~"):
             out.append(f"\\U{ord(ch):08x}")
         else:
             out.append(ch)
     return '"' + "".join(out) + '"'
 
 
-def affix_template(user: tuple[str, str], model: tuple[str, str], system: tuple[str, str]) -> str:
-    """The Jinja template that renders LiteRT-LM's per-role (prefix, suffix) pairs."""
+def affix_template(
+    user: tuple[str, str], model: tuple[str, str], system: tuple[str, str], bos: bool
+) -> str:
+    """The Jinja template that renders LiteRT-LM's per-role (prefix, suffix) pairs; `bos`: the
+    conversation starts with the BOS token (LiteRT-LM puts the start token before the first
+    turn, `runtime/core/session_utils.cc` ApplyPromptTemplates)."""
     up, us = map(jinja_literal, user)
     mp, ms = map(jinja_literal, model)
     sp, ss = map(jinja_literal, system)
     return (
-        "{%- for message in messages -%}"
+        ("{{ bos_token }}" if bos else "") + "{%- for message in messages -%}"
         "{%- if message['role'] == 'system' -%}"
         f"{{{{ {sp} }}}}{{{{ message['content'] }}}}{{{{ {ss} }}}}"
         "{%- elif message['role'] == 'user' -%}"
@@ -130,7 +135,8 @@ def parse_llm_metadata(data: bytes, where: str) -> LlmInfo:
             a = getattr(pt, name)
             return a.prefix, a.suffix
 
-        template = affix_template(pair("user"), pair("model"), pair("system"))
+        has_bos = md.HasField("start_token")
+        template = affix_template(pair("user"), pair("model"), pair("system"), has_bos)
         kind = "prefix/suffix"
     else:
         template, kind = "", "none"
