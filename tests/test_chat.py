@@ -14,6 +14,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer as HF
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers.utils.chat_template_utils import render_jinja_template
@@ -602,3 +604,41 @@ def test_sentencepiece_chat_gets_control_ids_only_from_the_template(tmp_path: Pa
         assert sum(1 for i in ids if i in control) == len(marker.findall(text)) - in_contents
         if key != "special text in contents":
             assert sp.decode(ids) == marker.sub("", text)  # control pieces decode to nothing
+
+
+_content = st.lists(
+    st.one_of(
+        st.text(st.characters(blacklist_categories=("Cs",)), max_size=6),
+        st.sampled_from(["<|im_end|>", "<|im_start|>", "<|eot_id|>", "<end_of_turn>", " ", "\n"]),
+    ),
+    max_size=6,
+).map("".join)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    name=st.sampled_from(["chatml", "qwen2_5", "llama3_2", "gemma3", "phi4"]),
+    contents=st.lists(_content, min_size=1, max_size=5),
+    system=_content,
+)
+def test_property_pieces_reassemble_transformers_text_and_keep_contents_plain(
+    name: str, contents: list[str], system: str
+) -> None:
+    """Any contents (special-token text, whitespace a template trims): the pieces join to
+    transformers' text, and every plain piece is part of one message's content."""
+    roles = ["user", "assistant"] * 3
+    conv = [("system", system)] + [(roles[i], c) for i, c in enumerate(contents)]
+    if conv[-1][0] != "user":
+        conv.append(("user", "?"))
+    t = ChatTemplate(source(name), bos_token=BOS, eos_token=EOS)
+    try:
+        pieces = t.pieces(msgs(conv))
+    except InvalidRequest as exc:  # allowed only where the template itself refuses
+        with pytest.raises(Exception):  # noqa: B017 (whatever the template raises)
+            reference(name, conv)
+        assert "failed to render" in str(exc)
+        return
+    assert "".join(p.text for p in pieces) == reference(name, conv)
+    for p in pieces:
+        if not p.template:
+            assert any(p.text in c for _, c in conv)
