@@ -51,7 +51,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -290,25 +290,27 @@ class ChatTemplate:
         return tuple(out)
 
 
-def _candidates(real: str, pos: int, content: str, following: str, last: bool) -> list[str]:
-    """What a content may have become in the rendering at `pos`: whole, trimmed, or another
-    part of it that the template's next piece follows."""
-    found: list[str] = []
+def _candidates(real: str, pos: int, content: str, following: str, last: bool) -> Iterator[str]:
+    """What a content may have become in the rendering at `pos`, most likely first: whole,
+    trimmed, then any other part of it that the template's next piece follows."""
+    seen: set[str] = set()
     for c in (content, content.strip(), content.lstrip(), content.rstrip()):
-        if c not in found:
-            found.append(c)
+        if c not in seen and real.startswith(c, pos):
+            seen.add(c)
+            yield c
     if last:
-        rest = real[pos : len(real) - len(following)] if real.endswith(following) else None
-        if rest is not None and rest in content and rest not in found:
-            found.append(rest)
+        if real.endswith(following) and len(real) - len(following) >= pos:
+            rest = real[pos : len(real) - len(following)]
+            if rest not in seen and rest in content:
+                yield rest
     elif following:
         q = real.find(following, pos)
         while q >= 0:
             part = real[pos:q]
-            if part in content and part not in found:
-                found.append(part)
+            if part not in seen and part in content:
+                seen.add(part)
+                yield part
             q = real.find(following, q + 1)
-    return [c for c in found if real.startswith(c, pos)]
 
 
 def _match(real: str, texts: list[str], contents: list[str]) -> list[str] | None:
