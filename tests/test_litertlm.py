@@ -434,3 +434,29 @@ def test_the_daemon_serves_a_bundle_as_given(
     tflite = unpacked / "Section2_TFLiteModel_tf_lite_prefill_decode.tflite"
     assert got == reference_greedy(tflite, [BOS, *sp.encode(PROMPT)], 12, {EOS})
     assert (tmp_path / "state" / "cache" / "litertlm" / f"{sha256(tflite)}.tflite").exists()
+
+
+def test_a_replaced_bundle_leaves_no_copy_behind(
+    tmp_path: Path, tiny_int8: Path, tiny_model_factory: Any, tiny_tokenizer: Path
+) -> None:
+    import os
+
+    fp32 = Path(tiny_model_factory(prefill_lens=(8, 32), kv_max=KV))
+    cache = tmp_path / "cache"
+    path = tmp_path / "m.litertlm"
+    first = open_model(build_bundle(path, tiny_int8, sp_tokenizer=tiny_tokenizer), cache)
+    old = cache / first.variants[0].file
+    os.utime(old, (1, 1))  # older than the window a concurrent extraction is given
+    other = open_model(
+        build_bundle(tmp_path / "other.litertlm", fp32, sp_tokenizer=tiny_tokenizer), cache
+    )
+    assert old.exists()  # its bundle is still there, unchanged
+    path.unlink()
+    second = open_model(build_bundle(path, fp32, sp_tokenizer=tiny_tokenizer), cache)
+    assert second.variants[0].sha256 == other.variants[0].sha256 == sha256(fp32)
+    assert not old.exists()
+    assert sorted(p.name for p in cache.glob("*.tflite")) == [f"{sha256(fp32)}.tflite"]
+    # a changed extracted file is extracted again, not trusted
+    again = cache / second.variants[0].file
+    again.write_bytes(b"damaged")
+    assert open_model(path, cache) == second and sha256(again) == sha256(fp32)

@@ -25,8 +25,9 @@ half-way leaves nothing that a later start trusts; the engine checks the model f
 before every load, as for a model directory. What the bundle's sections hash to is kept in
 ``bundles/<hash of the path>.json`` with the bundle's size, modification time and inode, so a
 later start of the same file reads only its header (and its model once, in the sha256 check).
-The cache is ``litertlm/`` beside the profile's ``xnnpack_weight_cache_dir``
-(`agent.modeldir.unpack_cache_dir`).
+An extraction removes what bundles that no longer exist (or changed) left there, so updating
+a bundle in place does not pile up copies. The cache is ``litertlm/`` beside the profile's
+``xnnpack_weight_cache_dir`` (`agent.modeldir.unpack_cache_dir`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ import hashlib
 import json
 import logging
 import os
+import re
+import shutil
 import struct
 import tempfile
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -265,9 +269,7 @@ def read_bundle(path: Path) -> Bundle:
         raise ModelFormatError(
             f"{path}: section {model.index} (TFLiteModel) is not a TFLite flatbuffer"
         )
-    return Bundle(
-        path, size, version, system, sections, model, tokenizer, metadata, tuple(ignored)
-    )
+    return Bundle(path, size, version, system, sections, model, tokenizer, metadata, tuple(ignored))
 
 
 def read_section(path: Path, section: Section) -> bytes:
@@ -390,8 +392,17 @@ def _memo_path(cache: Path, bundle: Path) -> Path:
 
 
 def _stamp(bundle: Bundle) -> list[int]:
-    st = bundle.path.stat()
+    return _stamp_of(bundle.path)
+
+
+def _stamp_of(path: Path) -> list[int]:
+    st = path.stat()
     return [_MEMO_FORMAT, st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def _file_stamp(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
 
 
 def _remembered(cache: Path, bundle: Bundle) -> _Unpacked | None:
@@ -400,8 +411,9 @@ def _remembered(cache: Path, bundle: Bundle) -> _Unpacked | None:
         if memo["stamp"] != _stamp(bundle):
             return None
         u = _Unpacked(**memo["unpacked"])
-        model = cache / u.model_file
-        if model.stat().st_size != u.size or not (cache / u.tokenizer).is_file():
+        if _file_stamp(cache / u.model_file) != memo["model_stamp"]:
+            return None  # replaced or changed since: extract again
+        if not (cache / u.tokenizer).is_file():
             return None
         return u
     except (OSError, ValueError, KeyError, TypeError):
@@ -432,9 +444,54 @@ def _unpack(cache: Path, bundle: Bundle, llm_hint: int | None) -> _Unpacked:
     if not (cache / tok_rel).is_file():
         _atomic_write(cache / tok_rel, lambda f: f.write(data))
     u = _Unpacked(model_file, sha, bundle.model.size, quantization_of(model), context, tok_rel)
-    memo = {"stamp": stamp, "bundle": str(bundle.path.resolve()), "unpacked": asdict(u)}
+    memo = {
+        "stamp": stamp,
+        "bundle": str(bundle.path.resolve()),
+        "unpacked": asdict(u),
+        "model_stamp": _file_stamp(cache / model_file),
+    }
     _atomic_write(_memo_path(cache, bundle.path), lambda f: f.write(json.dumps(memo).encode()))
+    _prune(cache)
     return u
+
+
+_EXTRACTED = re.compile(r"^[0-9a-f]{64}\.tflite$")
+_PRUNE_AGE_S: Final = 600.0
+
+
+def _prune(cache: Path) -> None:
+    """Remove what bundles that are gone or changed left in `cache`: their notes, and the
+    model and tokenizer files no remaining bundle's note names (a process still running one
+    keeps its mapped pages; a later start of it extracts again). Best effort."""
+    keep: set[str] = set()
+    for note in (cache / "bundles").glob("*.json"):
+        try:
+            memo = json.loads(note.read_text())
+            path = Path(memo["bundle"])
+            alive = path.exists() and memo["stamp"][1:] == _stamp_of(path)[1:]
+            if alive:
+                keep |= {memo["unpacked"]["model_file"], memo["unpacked"]["tokenizer"]}
+                continue
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            pass
+        note.unlink(missing_ok=True)
+    # files younger than _PRUNE_AGE_S may be another process's extraction, its note not yet
+    # written
+    old = time.time() - _PRUNE_AGE_S
+    for f in cache.iterdir():
+        if _EXTRACTED.match(f.name) and f.name not in keep and _mtime(f) < old:
+            f.unlink(missing_ok=True)
+            log.info("litertlm cache: removed %s (no bundle uses it)", f)
+    for tok in (cache / "tokenizers").glob("*/*"):
+        if f"tokenizers/{tok.parent.name}/{tok.name}" not in keep and _mtime(tok) < old:
+            shutil.rmtree(tok.parent, ignore_errors=True)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return float("inf")
 
 
 def open_litertlm(path: Path, cache: Path) -> ModelMeta:
