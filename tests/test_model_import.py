@@ -375,3 +375,32 @@ def test_a_file_that_is_neither_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ModelFormatError, match=r"neither a \.litertlm bundle nor a folder"):
         import_model(f, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "made_as"),
+    [
+        ({}, "fp32"),
+        ({}, "int8"),
+        ({}, "int4_block32"),
+        ({}, "mixed"),
+        ({"enable_hlfb": False, "prefill_lens": (8, 32), "kv_max": 128}, "int8_weight_only"),
+    ],
+)
+def test_quantization_is_read_from_the_weights(
+    tiny_model_factory: Any, options: dict[str, Any], made_as: str
+) -> None:
+    """What the toolchain made (agent/toolchain/quantize.py recipes) is what the weights say."""
+    from agent.runtime.modelfacts import quantization_of
+    from agent.runtime.modelfile import read_model_file
+
+    path = Path(tiny_model_factory(quantization=made_as, **options))
+    assert quantization_of(read_model_file(path)) == made_as
+
+
+def test_fp16_is_not_fp32(variants: dict[str, Path]) -> None:
+    from agent.runtime.modelfacts import quantization_of
+    from agent.runtime.modelfile import read_model_file
+
+    assert quantization_of(read_model_file(variants["fp16"])) == "fp16"
+    assert quantization_of(read_model_file(variants["fp32"])) == "fp32"
