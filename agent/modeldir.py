@@ -1,5 +1,9 @@
 """A model directory: one or more `.tflite` variants, a tokenizer and metadata.
 
+`open_model` also takes a `.litertlm` bundle (`agent.runtime.litertlm`: extracted once into a
+cache, described by the same `ModelMeta`); `edge-agent model import` (`agent.modelimport`)
+writes a model directory from a bundle or a download folder (docs/MODELS.md).
+
 Layout::
 
     <dir>/metadata.json
