@@ -404,3 +404,18 @@ def test_fp16_is_not_fp32(variants: dict[str, Path]) -> None:
 
     assert quantization_of(read_model_file(variants["fp16"])) == "fp16"
     assert quantization_of(read_model_file(variants["fp32"])) == "fp32"
+
+
+def test_progress_lines_for_large_files(capsys: pytest.CaptureFixture[str]) -> None:
+    """What `model import` prints on stderr while it copies and hashes: a line per 10% of a
+    file of 16 MiB or more, nothing for smaller ones."""
+    from agent.cli import _import_progress
+
+    show = _import_progress()
+    mib = 1 << 20
+    for done in range(0, 41 * mib, mib):
+        show("big.tflite", done, 40 * mib)
+    show("small.tflite", mib, 2 * mib)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 11 and all(line.startswith("import: big.tflite: ") for line in lines)
+    assert lines[-1] == "import: big.tflite: 40/40 MiB hashed (100%)"
