@@ -460,3 +460,38 @@ def test_a_replaced_bundle_leaves_no_copy_behind(
     again = cache / second.variants[0].file
     again.write_bytes(b"damaged")
     assert open_model(path, cache) == second and sha256(again) == sha256(fp32)
+
+
+def test_chat_with_a_bundles_prefix_suffix_template(
+    tmp_path: Path, tiny_int8: Path, tiny_tokenizer: Path, make_profile: Any
+) -> None:
+    """A chat on a bundle with per-role affixes is BOS + the affixed turns + the model's prefix,
+    as LiteRT-LM builds it; its greedy answer is the plain Interpreter loop's on those ids."""
+    import sentencepiece as spm
+
+    from agent.engine.types import ChatMessage
+
+    def md(m: Any) -> None:
+        m.prompt_templates.user.prefix = "user: "
+        m.prompt_templates.user.suffix = "\n"
+        m.prompt_templates.model.prefix = "def "
+        m.prompt_templates.system.prefix = "# "
+        m.prompt_templates.system.suffix = "\n"
+
+    b = build_bundle(tmp_path / "c.litertlm", tiny_int8, sp_tokenizer=tiny_tokenizer, metadata=md)
+    profile = make_profile(runtime={"xnnpack_weight_cache_dir": str(tmp_path / "xnnpack")})
+    sp = spm.SentencePieceProcessor(model_file=str(tiny_tokenizer))
+    want_ids = [BOS, *sp.encode("# be short\nuser: return 1\ndef ")]
+    engine = Engine(profile, b)
+    try:
+        request = GenerateRequest(
+            prompt="",
+            messages=(ChatMessage("system", "be short"), ChatMessage("user", "return 1")),
+            max_tokens=10,
+            sampling=SamplingParams(temperature=0.0),
+        )
+        assert engine.encode_prompt(request) == want_ids
+        got = list(engine.complete(request).token_ids)
+    finally:
+        engine.close()
+    assert got == reference_greedy(tiny_int8, want_ids, 10, {EOS})
