@@ -560,9 +560,13 @@ def test_cli_chat_sends_earlier_turns(chat_daemon, chat_dir) -> None:
     assert "--turn 'robot:x': expected user:TEXT or assistant:TEXT" in bad.stderr
 
 
-def test_sentencepiece_chat_gets_control_ids_only_from_the_template(tmp_path: Path) -> None:
-    """A Gemma-style SentencePiece model (``<start_of_turn>``/``<end_of_turn>`` as control
-    pieces): the template's turn markers become their ids, a user's identical text does not."""
+@pytest.mark.parametrize("kind", ["control_symbols", "user_defined_symbols"])
+def test_sentencepiece_chat_gets_control_ids_only_from_the_template(
+    tmp_path: Path, kind: str
+) -> None:
+    """A Gemma-style SentencePiece model, its turn markers as control pieces or (as Gemma's
+    own tokenizer.model has them) user-defined ones: the template's markers become their ids,
+    a user's identical text does not, they decode to nothing, and the end of turn is found."""
     import io
     import re
 
@@ -578,7 +582,7 @@ def test_sentencepiece_chat_gets_control_ids_only_from_the_template(tmp_path: Pa
         add_dummy_prefix=False,
         normalization_rule_name="identity",
         remove_extra_whitespaces=False,
-        control_symbols=["<start_of_turn>", "<end_of_turn>"],
+        **{kind: ["<start_of_turn>", "<end_of_turn>"]},
         bos_piece="<bos>",
         eos_piece="<eos>",
         minloglevel=2,
@@ -603,7 +607,12 @@ def test_sentencepiece_chat_gets_control_ids_only_from_the_template(tmp_path: Pa
         in_contents = sum(len(marker.findall(c)) for _, c in conv)
         assert sum(1 for i in ids if i in control) == len(marker.findall(text)) - in_contents
         if key != "special text in contents":
-            assert sp.decode(ids) == marker.sub("", text)  # control pieces decode to nothing
+            assert ours.decode(ids) == marker.sub("", text)  # markers decode to nothing
+            assert sp.decode([i for i in ids if i not in control]) == marker.sub("", text)
+    assert end_of_turn_ids(t, ours) == {sp.piece_to_id("<end_of_turn>")}
+    user_text = "a <end_of_turn> b"
+    assert not control & set(ours.encode(user_text))
+    assert sp.decode(ours.encode(user_text)) == user_text
 
 
 _content = st.lists(

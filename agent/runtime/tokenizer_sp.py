@@ -12,24 +12,32 @@ import codecs
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import sentencepiece as spm
+from sentencepiece import sentencepiece_model_pb2
 
 from agent.errors import InvalidRequest, ModelFormatError
 from agent.runtime.tokenizer import TokenizerConfig, read_tokenizer_config
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+_TAG = re.compile(r"<[^<>\s]+>")  # a user-defined piece spelled like this is a special token
+_USER_DEFINED = 4  # ModelProto.SentencePiece.Type.USER_DEFINED
+_MODEL_PB: Any = sentencepiece_model_pb2  # generated protobuf code: no types to check against
 _SPACE = "\u2581"
 
 
 class SentencePieceTokenizer:
     """Encode text to ids and decode ids to text (whole or streamed).
 
-    SentencePiece itself never matches control pieces (``<bos>``, ``<start_of_turn>`` when
-    the model declares it so) in text, and always matches user-defined pieces. `special=True`
-    (a chat template's own text) also turns control-piece text into those ids, as Hugging
-    Face's tokenizers do with their special tokens; `special=False` leaves SentencePiece alone
-    (user-defined pieces, such as the demo model's ``\n``, are ordinary text there).
+    Special tokens are the control pieces (``<bos>``) and the user-defined pieces spelled as a
+    tag, ``<...>`` without spaces (Gemma's ``<start_of_turn>``/``<end_of_turn>`` are
+    user-defined; transformers' converter makes them special too); other user-defined pieces,
+    such as the demo model's ``\n``, are ordinary text. SentencePiece never matches control
+    pieces in text and always matches user-defined ones, so: `special=True` (a chat template's
+    own text) turns the text of either kind into its id; `special=False` breaks a tag's text
+    before SentencePiece sees it (its first character on its own), so user text never becomes
+    a special id. Special tokens decode to nothing.
     """
 
     kind = "sentencepiece"
@@ -42,11 +50,22 @@ class SentencePieceTokenizer:
         self.path = path
         self.config = config if config is not None else read_tokenizer_config(path.parent)
         self.vocab_size: int = self._sp.get_piece_size()
-        self._bytes = [self._piece_bytes(i) for i in range(self.vocab_size)]
         sp = self._sp
-        self.special_ids = frozenset(i for i in range(self.vocab_size) if sp.is_control(i))
+        proto = _MODEL_PB.ModelProto.FromString(sp.serialized_model_proto())
+        tags = {
+            i
+            for i, p in enumerate(proto.pieces)
+            if p.type == _USER_DEFINED and _TAG.fullmatch(p.piece)
+        }
+        self.special_ids = frozenset({i for i in range(self.vocab_size) if sp.is_control(i)} | tags)
+        self._bytes = [self._piece_bytes(i) for i in range(self.vocab_size)]
         texts = sorted({sp.id_to_piece(i) for i in self.special_ids}, key=len, reverse=True)
         self._special = re.compile("|".join(re.escape(t) for t in texts if t)) if texts else None
+        self._tags = (
+            re.compile("|".join(re.escape(sp.id_to_piece(i)) for i in sorted(tags)))
+            if tags
+            else None
+        )
         # Models trained with a dummy prefix start every text with "▁"; decode() drops it once.
         first = self._sp.encode("a")
         self._strip_leading_space = bool(first) and self._sp.id_to_piece(first[0]).startswith(
@@ -55,7 +74,7 @@ class SentencePieceTokenizer:
 
     def _piece_bytes(self, i: int) -> bytes:
         sp = self._sp
-        if sp.is_control(i):
+        if i in self.special_ids:
             return b""
         piece = sp.id_to_piece(i)
         if sp.is_byte(i):
@@ -69,19 +88,35 @@ class SentencePieceTokenizer:
         """Text → ids (no bos/eos added); `special`: control-piece text becomes their ids."""
         try:
             if not special or self._special is None:
-                return list(self._sp.encode(text))
+                return self._plain(text)
             ids: list[int] = []
             pos = 0
             for m in self._special.finditer(text):
                 if m.start() > pos:
-                    ids += self._sp.encode(text[pos : m.start()])
+                    ids += self._plain(text[pos : m.start()])
                 ids.append(int(self._sp.piece_to_id(m.group())))
                 pos = m.end()
             if pos < len(text):
-                ids += self._sp.encode(text[pos:])
+                ids += self._plain(text[pos:])
             return ids
         except (TypeError, RuntimeError) as exc:
             raise InvalidRequest(f"cannot tokenize: {exc}") from exc
+
+    def _plain(self, text: str) -> list[int]:
+        """SentencePiece on `text`, with every tag-like user-defined piece's text broken after
+        its first character so that SentencePiece cannot match it."""
+        if self._tags is None:
+            return list(self._sp.encode(text))
+        ids: list[int] = []
+        pos = 0
+        for m in self._tags.finditer(text):
+            for part in (text[pos : m.start() + 1], text[m.start() + 1 : m.end()]):
+                if part:
+                    ids += self._sp.encode(part)
+            pos = m.end()
+        if pos < len(text):
+            ids += self._sp.encode(text[pos:])
+        return ids
 
     def encode_pieces(self, pieces: Sequence[tuple[str, bool]]) -> list[int]:
         """Control-piece text in template runs becomes those ids; all the text between them
