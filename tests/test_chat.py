@@ -412,6 +412,8 @@ def test_a_chat_ends_at_the_templates_end_of_turn_token(chat_dir: Path, dev_prof
             assert im_end not in done.token_ids and "<|im_end|>" not in done.text
             assert done.text == lib.decode(list(done.token_ids))  # specials render as nothing
         assert "stop" in reasons, reasons
+        # a plain prompt is plain text too: typing the token's text does not end anything
+        assert im_end not in e.encode_prompt(GenerateRequest("x<|im_end|>y"))
     finally:
         e.close()
 
