@@ -111,9 +111,7 @@ def import_model(
         raise ModelFormatError(f"{src}: no such file or directory")
     bundle = src.is_file() and (src.suffix == ".litertlm" or is_litertlm(src))
     if not bundle and not src.is_dir():
-        raise ModelFormatError(
-            f"{src}: neither a .litertlm bundle nor a folder with .tflite files"
-        )
+        raise ModelFormatError(f"{src}: neither a .litertlm bundle nor a folder with .tflite files")
     if bundle and files:
         raise ModelFormatError(f"{src}: --file picks .tflite files of a folder, not of a bundle")
     _check_target(out)
@@ -285,20 +283,12 @@ def _template(src: Path, tok_config: dict[str, Any] | None) -> str:
 
 
 def _check_jinja(template: str, where: Path) -> None:
-    try:
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:  # the chat code that renders it needs jinja2; without it, no check
-        return
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    try:
-        env.parse(template)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ModelFormatError(
-            f"{where}: chat_template is not valid Jinja (line {exc.lineno}: {exc.message})"
-        ) from exc
+    """Refuse a template that the chat code could not compile (the same environment)."""
+    from agent.engine.chat import ChatTemplate
+
+    error = ChatTemplate(template).error
+    if error:
+        raise ModelFormatError(f"{where}: chat_template is not valid Jinja ({error})")
 
 
 def _generation(gen: dict[str, Any] | None, where: Path) -> dict[str, float]:
@@ -324,7 +314,9 @@ def _pick_tflite(src: Path, files: Sequence[str]) -> list[Path]:
             raise ModelFormatError(f"{src}: no .tflite named {', '.join(missing)}")
         found = [by_name[f] for f in dict.fromkeys(files)]
     if not found:
-        raise ModelFormatError(f"{src}: no .tflite file (a model export) in the folder")
+        bundles = sorted(p.name for p in src.glob("*.litertlm"))
+        hint = f"; import the bundle itself: {', '.join(bundles)}" if bundles else ""
+        raise ModelFormatError(f"{src}: no .tflite file (a model export) in the folder{hint}")
     return found
 
 
@@ -356,7 +348,8 @@ def _from_folder(
         try:
             context, layout = context_length_of(model)
         except ModelFormatError as exc:
-            raise ModelFormatError(f"{path}: {exc}") from exc
+            also = " (choose the model's files with --file)" if not files else ""
+            raise ModelFormatError(f"{path}: {exc}{also}") from exc
         quant = quantization_of(model)
         if quant in by_quant:
             raise ModelFormatError(
@@ -388,6 +381,8 @@ def _from_folder(
     cfg_eos = _config_ids(config, "eos_token_id", cfg_where)
     if bos_text is not None:
         draft.bos_id = vocab.require(bos_text, f"{tc_where}: bos_token")
+    elif tok_config is not None and "bos_token" in tok_config:  # null: the tokenizer has none
+        draft.bos_id = None
     else:
         bos = _ids(gen, "bos_token_id", gen_where) or _config_ids(config, "bos_token_id", cfg_where)
         draft.bos_id = bos[0] if bos else None

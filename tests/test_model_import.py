@@ -419,3 +419,29 @@ def test_progress_lines_for_large_files(capsys: pytest.CaptureFixture[str]) -> N
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 11 and all(line.startswith("import: big.tflite: ") for line in lines)
     assert lines[-1] == "import: big.tflite: 40/40 MiB hashed (100%)"
+
+
+def test_templates_the_chat_code_renders_are_accepted(
+    variants: dict[str, Path], tmp_path: Path
+) -> None:
+    """transformers' `{% generation %}` tag is Jinja the chat code takes: not refused."""
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copyfile(variants["int8"], src / "m.tflite")
+    make_hf_tokenizer(src / "tokenizer.json")
+    tagged = (
+        "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"
+    )
+    (src / "chat_template.jinja").write_text(tagged)
+    assert import_model(src, tmp_path / "out").chat_template == tagged
+
+
+def test_a_folder_with_only_a_bundle_says_so(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "Tiny.litertlm").write_bytes(b"LITERTLM")
+    make_hf_tokenizer(src / "tokenizer.json")
+    with pytest.raises(
+        ModelFormatError, match=r"no \.tflite file .*import the bundle itself: Tiny"
+    ):
+        import_model(src, tmp_path / "out")
