@@ -160,6 +160,11 @@ def _generation(raw: dict[str, Any], where: Path) -> tuple[tuple[str, float], ..
 
 def load_model_dir(directory: Path) -> ModelMeta:
     """Read and check `metadata.json` of a model directory (does not hash the files)."""
+    if directory.is_file():
+        raise ModelFormatError(
+            f"{directory}: a file, not a model directory (a .litertlm runs with --model; "
+            "edge-agent model import makes a model directory of it)"
+        )
     where = directory / METADATA_FILE
     try:
         raw = json.loads(where.read_text(encoding="utf-8"))
