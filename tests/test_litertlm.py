@@ -495,3 +495,35 @@ def test_chat_with_a_bundles_prefix_suffix_template(
     finally:
         engine.close()
     assert got == reference_greedy(tiny_int8, want_ids, 10, {EOS})
+
+
+def test_a_kv_shape_of_either_layout_is_told_by_max_tokens_or_refused(
+    tmp_path: Path, tiny_model_factory: Any, tiny_tokenizer: Path, make_profile: Any
+) -> None:
+    """Transposed KV of length 32 with head_dim 32 is K = V = [1, 1, 32, 32], which the default
+    layout with one row would also be: a bundle's max tokens tells which; a folder without a
+    mask input or a hint is refused rather than guessed."""
+    import sentencepiece as spm
+
+    from agent.modelimport import import_model
+
+    square = Path(tiny_model_factory(prefill_lens=(8,), kv_max=32))
+    b = build_bundle(
+        tmp_path / "sq.litertlm",
+        square,
+        sp_tokenizer=tiny_tokenizer,
+        metadata=lambda m: setattr(m, "max_num_tokens", 32),
+    )
+    meta = open_model(b, tmp_path / "c")
+    assert meta.context_length == 32
+    profile = make_profile(runtime={"xnnpack_weight_cache_dir": str(tmp_path / "xnnpack")})
+    sp = spm.SentencePieceProcessor(model_file=str(tiny_tokenizer))
+    want = reference_greedy(square, [BOS, *sp.encode(PROMPT)], 8, {EOS})
+    assert greedy(profile, b, 8) == want and len(set(want)) > 1
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "m.tflite").write_bytes(square.read_bytes())
+    (folder / "tokenizer.model").write_bytes(tiny_tokenizer.read_bytes())
+    with pytest.raises(ModelFormatError, match="nothing in the model tells which"):
+        import_model(folder, tmp_path / "out")

@@ -298,6 +298,7 @@ PREBUILD: tuple[tuple[dict[str, Any], tuple[str, ...]], ...] = (
     ({**_T, "prefill_lens": (8, 32), "kv_max": 128}, ("int8",)),
     ({**_T, "mask_as_input": True}, ()),
     ({**_T, "decode_windows": (16, 32)}, ("int8",)),
+    ({**_T, "kv_max": 32}, ()),  # K = V = [1, 1, 32, 32]: either KV layout (test_litertlm)
     ({"layout": "default"}, ()),
     ({"layout": "default", "prefill_lens": (8, 16), "mask_as_input": True}, ()),
     ({**_T, **_UNFUSED}, ("int8",)),
