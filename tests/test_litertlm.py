@@ -22,8 +22,6 @@ from agent.errors import ModelFormatError
 from agent.modeldir import open_model, write_model_dir_metadata
 from tests.test_cli import cli
 
-pytest.importorskip("litert_lm_builder")
-
 PROMPT = "def main():\n    return 1\n"
 KV = 128
 BOS, EOS = 1, 2  # the tiny SentencePiece tokenizer's (tests/tiny_models.py)

@@ -19,8 +19,6 @@ from agent.modelimport import import_model
 from tests.test_cli import cli
 from tests.test_litertlm import BOS, EOS, KV, PROMPT, build_bundle, greedy, reference_greedy
 
-pytest.importorskip("tokenizers")
-
 CORPUS = (
     "def main():\n    return 1\n\nclass Point:\n    def __init__(self, x, y):\n"
     "        self.x = x\n        self.y = y\n\nfor i in range(10):\n    print(i * 2)\n"
