@@ -5,8 +5,10 @@ commands, the CLI's exit codes, and mutual TLS (docs/FLEET.md)."""
 from __future__ import annotations
 
 import argparse
+import ast
 import io
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from agent.config import parse_broker
 from agent.errors import AgentError
 from agent.fleet.cli import add_fleet_parser
+from agent.fleet.health import read_thermal
 from agent.fleet.mqtt import MqttOptions, publish_properties, response_route
 from agent.fleet.operator import FleetError, send, watch
 from agent.fleet.topics import Topics, parse
@@ -154,9 +157,16 @@ class Device:
     requesters the route is in the Command). It first sends a decoy with other correlation
     data, which the requester must ignore."""
 
-    def __init__(self, broker: Mosquitto, device: str, decoy: bool = True) -> None:
+    def __init__(
+        self,
+        broker: Mosquitto,
+        device: str,
+        decoy: bool = True,
+        thermal: pb.Thermal | None = None,
+    ) -> None:
         self.topics = Topics(PREFIX, device)
         self.decoy = decoy
+        self.thermal = thermal
         self.received: list[str] = []
         self.ready = threading.Event()
         self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=device, protocol=5)
@@ -183,6 +193,8 @@ class Device:
             resp.pong.timestamp_unix = time.time()
         elif name == "status":
             resp.status.CopyFrom(health(self.topics.device, 2, time.time()))
+            if self.thermal is not None:
+                resp.status.thermal.CopyFrom(self.thermal)
         else:
             resp.message = "a reload is already running"
         name_ = "edge_agent.fleet.v1.CommandResponse"
@@ -501,6 +513,80 @@ def test_cli_send_exit_codes(broker, empty_config, capsys) -> None:
     assert "did not answer ping within 0.5 s" in capsys.readouterr().err
     assert cli(["fleet", "send", "dev-cli", "ping", "--arg", "novalue", *quick]) == 2
     assert cli(["fleet", "send", "bad/id", "ping", *quick]) == 2
+
+
+def _sysfs(root: Path, zones: dict[str, str]) -> Path:
+    """A /sys with these thermal zones (type -> temp in millidegrees), as the kernel lays it out."""
+    for i, (kind, temp) in enumerate(zones.items()):
+        zone = root / "class" / "thermal" / f"thermal_zone{i}"
+        zone.mkdir(parents=True)
+        (zone / "type").write_text(kind + "\n")
+        (zone / "temp").write_text(temp + "\n")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def test_cli_send_status_says_none_without_a_sensor(
+    broker, empty_config, tmp_path: Path, capsys
+) -> None:
+    """A host without thermal zones reports no temperature: the summary says so, and a sensor
+    that reads 0 degrees is still 0 C (the health message's zones tell the two apart)."""
+    base = ["--broker", broker.url, "--config", empty_config, "--timeout", "5"]
+    readings = {
+        "none": read_thermal(_sysfs(tmp_path / "bare", {})),
+        "0 C": read_thermal(_sysfs(tmp_path / "cold", {"cpu-thermal": "0"})),
+        "-12 C": read_thermal(_sysfs(tmp_path / "arctic", {"cpu-thermal": "-12400"})),
+    }
+    assert not readings["none"].zones  # what health.py reads on a host without sensors
+    for want, thermal in readings.items():
+        dev = Device(broker, "dev-thermal", decoy=False, thermal=thermal)
+        try:
+            assert cli(["fleet", "send", "dev-thermal", "status", *base]) == 0
+        finally:
+            dev.close()
+        lines = [x for x in capsys.readouterr().out.split("\n") if "temperature" in x]
+        assert [x.strip() for x in lines] == [f"temperature {want}"], want
+
+
+def test_watch_json_has_no_temperature_without_a_sensor(broker, tmp_path: Path) -> None:
+    now = time.time()
+    t = Topics(PREFIX, "dev-bare")
+    h = health("dev-bare", 2, now)
+    h.thermal.CopyFrom(read_thermal(_sysfs(tmp_path / "bare", {})))
+    with Publisher(broker) as pub:
+        pub.messages([(t.state, state("dev-bare", State.ONLINE, 2, now)), (t.health, h)])
+    view = watch(options(broker), PREFIX, once=True, settle_s=0.3, timeout_s=10, filter="dev-bare")
+    (row,) = to_json(view, time.time(), "dev-bare")
+    assert row["health"]["max_celsius"] is None  # type: ignore[index]
+    table = render(view, time.time(), width=200, filter="dev-bare").split("\n")
+    at = table[1].index("TEMP")
+    assert table[2][at : at + 6].strip() == "-"
+
+
+def _agent_commands() -> set[str]:
+    """The commands the device answers: the keys of FleetAgent._handlers, read from its source
+    (agent/fleet/agent.py), not from the operator's code."""
+    src = Path(__file__).resolve().parent.parent / "agent" / "fleet" / "agent.py"
+    for node in ast.walk(ast.parse(src.read_text())):
+        if isinstance(node, ast.FunctionDef) and node.name == "_handlers":
+            (ret,) = [n for n in ast.walk(node) if isinstance(n, ast.Return)]
+            assert isinstance(ret.value, ast.Dict)
+            return {k.value for k in ret.value.keys if isinstance(k, ast.Constant)}
+    raise AssertionError("FleetAgent._handlers not found")
+
+
+def test_send_help_and_fleet_md_name_every_command(capsys) -> None:
+    commands = _agent_commands()
+    assert {"ping", "status", "reload", "update"} <= commands
+    with pytest.raises(SystemExit) as done:
+        cli(["fleet", "send", "--help"])
+    assert done.value.code == 0
+    helptext = " ".join(capsys.readouterr().out.split())
+    for name in commands:
+        assert re.search(rf"\b{name}\b", helptext), name
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "FLEET.md").read_text()
+    table = set(re.findall(r"^\| `([a-z_]+)` \| [^|]+ \| [^|]+ \|$", doc, re.M))
+    assert commands <= table, commands - table
 
 
 def test_no_broker_anywhere_is_a_usage_error(empty_config, capsys) -> None:

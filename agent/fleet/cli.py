@@ -180,7 +180,8 @@ def describe(resp: pb.CommandResponse, device: str) -> str:
     elif which == "update":
         u = resp.update
         phase = _name(pb.UpdateStatus.Phase, u.phase)
-        lines.append(f"  update {u.update_id}: {phase} {u.from_version} -> {u.to_version}")
+        reason = f" ({u.reason_code})" if u.reason_code else ""
+        lines.append(f"  update {u.update_id}: {phase}{reason} {u.from_version} -> {u.to_version}")
         if u.message:
             lines.append(f"  {u.message}")
     return "\n".join(lines)
@@ -195,7 +196,7 @@ def _status_lines(h: HealthInfo) -> list[str]:
         f"memory {h.rss_bytes / mib:.0f} MiB of {h.budget_bytes / mib:.0f} MiB budget",
         f"requests {h.requests_total} ({h.requests_failed} failed, {h.requests_rejected} "
         f"rejected), ttft p50 {h.ttft_p50_ms:.0f} ms, decode p50 {h.decode_tok_s_p50:.1f} tok/s",
-        f"temperature {h.max_celsius:.0f} C"
+        ("temperature none" if h.max_celsius is None else f"temperature {h.max_celsius:.0f} C")
         + (", THROTTLED" if h.throttled_now else "")
         + (", UNDER-VOLTAGE" if h.under_voltage else "")
         + (", throttled since boot" if h.throttled_since_boot else ""),
@@ -333,7 +334,12 @@ def add_fleet_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
 
     p = sub.add_parser("send", help="send a command to one device and print its answer")
     p.add_argument("device", metavar="DEVICE", help="device id")
-    p.add_argument("cmd", metavar="CMD", help="command: ping, status, reload, ...")
+    p.add_argument(
+        "cmd",
+        metavar="CMD",
+        help="command: ping, status, reload, or update (--body-file: a SignedManifest, the "
+        "manifest.pb of a bundle; `publish-update` sends it and serves the payload)",
+    )
     p.add_argument(
         "--arg", action="append", default=[], metavar="KEY=VALUE", help="argument (repeatable)"
     )

@@ -80,7 +80,7 @@ class HealthInfo:
     requests_total: int
     requests_failed: int
     requests_rejected: int
-    max_celsius: float
+    max_celsius: float | None  # None: the device has no temperature sensor
     throttled_known: bool
     throttled_now: bool
     under_voltage: bool
@@ -249,6 +249,13 @@ def _state(m: pb.DeviceState, device_id: str) -> StateInfo:
     )
 
 
+def _max_celsius(th: pb.Thermal) -> float | None:
+    """The hottest reading; None when the device read no sensor (no zones: 0 is not a reading)."""
+    if th.zones:
+        return th.max_celsius or max(z.celsius for z in th.zones)
+    return th.max_celsius or None
+
+
 def health_info(m: pb.Health, device_id: str | None = None) -> HealthInfo:
     """The operator's summary of a `Health` (from the topic, or a `status` answer); with
     `device_id`, a payload naming another device is malformed."""
@@ -282,7 +289,7 @@ def health_info(m: pb.Health, device_id: str | None = None) -> HealthInfo:
         requests_failed=req.failed,
         requests_rejected=req.rejected,
         nonfinite_logits=req.nonfinite_logits,
-        max_celsius=th.max_celsius or max((z.celsius for z in th.zones), default=0.0),
+        max_celsius=_max_celsius(th),
         throttled_known=th.throttled_known,
         throttled_now=th.throttled_now,
         under_voltage=th.under_voltage,
@@ -440,7 +447,9 @@ COLUMNS: Final[tuple[_Column, ...]] = (
     _Column("TTFT", 7, _h(lambda h: f"{h.ttft_p50_ms:.0f}ms" if h.ttft_p50_ms else "-"), True),
     _Column("TOK/S", 8, _h(lambda h: _num(h.decode_tok_s_p50)), right=True),
     _Column("REQ/FAIL", 9, _h(lambda h: f"{h.requests_total}/{h.requests_failed}"), True),
-    _Column("TEMP", 6, _h(lambda h: f"{h.max_celsius:.0f}C" if h.max_celsius else "-"), True),
+    _Column(
+        "TEMP", 6, _h(lambda h: "-" if h.max_celsius is None else f"{h.max_celsius:.0f}C"), True
+    ),
     _Column(
         "DISK", 4, _h(lambda h: _bytes(h.disk_free_bytes) if h.disk_total_bytes else "-"), True
     ),
