@@ -293,10 +293,11 @@ LITERTLM_SUFFIX = ".litertlm"
 
 def open_model(path: Path, cache_dir: Path) -> ModelMeta:
     """The model at `path`: a model directory, or a `.litertlm` bundle whose model and
-    tokenizer are extracted into `cache_dir` (`agent.runtime.litertlm`; once per bundle)."""
+    tokenizer are extracted into `cache_dir` (`agent.runtime.litertlm_cache`; once per bundle)."""
     if path.is_dir():
         return load_model_dir(path)
-    from agent.runtime.litertlm import is_litertlm, open_litertlm
+    from agent.runtime.litertlm import is_litertlm
+    from agent.runtime.litertlm_cache import open_litertlm
 
     if path.suffix == LITERTLM_SUFFIX or is_litertlm(path):
         return open_litertlm(path, cache_dir)

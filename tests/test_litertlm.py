@@ -200,7 +200,7 @@ def test_extraction_happens_once_and_is_reused(
     bundle: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     cache = tmp_path / "cache"
-    with caplog.at_level(logging.INFO, logger="agent.runtime.litertlm"):
+    with caplog.at_level(logging.INFO, logger="agent.runtime"):
         first = open_model(bundle, cache)
     model = first.directory / first.variants[0].file
     stamp = model.stat().st_mtime_ns
@@ -210,7 +210,7 @@ def test_extraction_happens_once_and_is_reused(
     for part in ("3 TFLiteModel", "embedder", "4 TFLiteModel", "npu", "5 GenericBinaryData"):
         assert part in ignored[0].getMessage()
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="agent.runtime.litertlm"):
+    with caplog.at_level(logging.INFO, logger="agent.runtime"):
         again = open_model(bundle, cache)
     assert again == first
     assert model.stat().st_mtime_ns == stamp
