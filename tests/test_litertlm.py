@@ -525,3 +525,27 @@ def test_a_kv_shape_of_either_layout_is_told_by_max_tokens_or_refused(
     (folder / "tokenizer.model").write_bytes(tiny_tokenizer.read_bytes())
     with pytest.raises(ModelFormatError, match="nothing in the model tells which"):
         import_model(folder, tmp_path / "out")
+
+
+def test_generate_cli_runs_a_bundle(
+    bundle: Path, tiny_int8: Path, tiny_tokenizer: Path, tmp_path: Path
+) -> None:
+    """`edge-agent generate --model X.litertlm` (a real subprocess; a profile without a weight
+    cache extracts into $XDG_CACHE_HOME/edge-agent/litertlm)."""
+    import sentencepiece as spm
+
+    args = ("--profile", "generic-x86_64", "--max-tokens", "10", "--temperature", "0", "--json")
+    r = cli(
+        "generate",
+        PROMPT,
+        "--model",
+        str(bundle),
+        *args,
+        env={"XDG_CACHE_HOME": str(tmp_path / "xdg")},
+    )
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["model"] == {"name": "tiny-int8", "quantization": "int8"}
+    sp = spm.SentencePieceProcessor(model_file=str(tiny_tokenizer))
+    assert doc["tokens"] == reference_greedy(tiny_int8, [BOS, *sp.encode(PROMPT)], 10, {EOS})
+    assert (tmp_path / "xdg" / "edge-agent" / "litertlm" / f"{sha256(tiny_int8)}.tflite").exists()
