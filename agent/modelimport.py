@@ -103,8 +103,23 @@ def import_model(
     """Write the model directory `out` from `src` (a `.litertlm` or a download folder).
 
     `files` picks which `.tflite` files of a folder to import (default: all of them).
-    Raises `ModelFormatError` naming the file and what is wrong; `out` is then untouched.
+    Raises `ModelFormatError` naming the file and what is wrong (an unreadable source file,
+    an unwritable target too); `out` is then untouched.
     """
+    try:
+        return _import(src, out, name, version, files, progress)
+    except OSError as exc:
+        raise ModelFormatError(f"{exc.filename or out}: {exc.strerror or exc}") from exc
+
+
+def _import(
+    src: Path,
+    out: Path,
+    name: str | None,
+    version: str | None,
+    files: Sequence[str],
+    progress: Progress | None,
+) -> ModelMeta:
     from agent.runtime.litertlm import is_litertlm
 
     if not src.exists():

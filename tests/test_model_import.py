@@ -443,3 +443,13 @@ def test_a_folder_with_only_a_bundle_says_so(tmp_path: Path) -> None:
         ModelFormatError, match=r"no \.tflite file .*import the bundle itself: Tiny"
     ):
         import_model(src, tmp_path / "out")
+
+
+def test_a_target_that_cannot_be_made_is_one_line(download: Path, tmp_path: Path) -> None:
+    """An OS error on the way (here: the target's parent is a file) is one line, exit 2."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    r = cli("model", "import", str(download), "-o", str(blocker / "m"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and str(blocker) in r.stderr
+    assert blocker.read_text() == "x"
