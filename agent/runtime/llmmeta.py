@@ -124,6 +124,12 @@ def parse_llm_metadata(data: bytes, where: str) -> LlmInfo:
         md.ParseFromString(data)
     except DecodeError as exc:
         raise ModelFormatError(f"{where}: LlmMetadata is not a valid protobuf: {exc}") from exc
+    if md.HasField("suppress_tokens") and md.suppress_tokens.ids:
+        log.warning(
+            "%s: suppress_tokens %s are not applied: edge-agent may sample them",
+            where,
+            list(md.suppress_tokens.ids)[:8],
+        )
     if md.HasField("jinja_prompt_template") and md.jinja_prompt_template:
         template, kind = md.jinja_prompt_template, "jinja"
     elif md.HasField("prompt_templates"):
