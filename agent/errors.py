@@ -81,6 +81,18 @@ class Unavailable(AgentError):
     """The agent cannot take requests right now (loading, swapping a model, stopping)."""
 
 
+class HostError(AgentError):
+    """Something on the host the daemon was pointed at cannot be used as it is: a socket path
+    that is not a socket or is too long, a state directory that is a file or cannot be
+    written, a directory whose parent is missing, a port that cannot be bound. The daemon
+    changed nothing there; the message names the path and what it is."""
+
+
+class AlreadyRunning(AgentError):
+    """Another daemon answers on the socket or holds the state directory's lock; the message
+    names its pid."""
+
+
 class SessionLost(AgentError):
     """A session's saved KV cannot be used (corrupt, truncated, or from another model).
 
