@@ -1,9 +1,10 @@
-"""`edge-agent fleet watch|send`: the operator's commands (docs/FLEET.md).
+"""`edge-agent fleet watch|send|publish-update`: the operator's commands (docs/FLEET.md).
 
 Connection settings come from the agent config's [fleet] section (`--config`, default
 /etc/edge-agent/agent.toml, absent is fine); flags win. Exit codes: 0 done (send: the device
-answered OK), 1 the device answered an error, did not answer, or the broker could not be
-reached, 2 usage or configuration errors.
+answered OK; publish-update: every device committed), 1 the device answered an error, did not
+answer, did not commit, or the broker could not be reached, 2 usage or configuration errors
+(publish-update: also a bundle that does not read).
 """
 
 from __future__ import annotations
@@ -249,41 +250,72 @@ def cmd_fleet_send(args: argparse.Namespace) -> int:
     return 0 if resp.code == pb.CommandResponse.OK else EXIT_FAILED
 
 
+def status_line(device: str, st: pb.UpdateStatus) -> str:
+    """One update status for people: `dev-1: REJECTED (rollback) version 2 is not ...`."""
+    phase = _name(pb.UpdateStatus.Phase, st.phase)
+    reason = f" ({st.reason_code})" if st.reason_code else ""
+    size = f" {st.downloaded_bytes}/{st.total_bytes} B" if st.total_bytes else ""
+    return f"{device}: {phase}{reason}{size} {st.message}".rstrip()
+
+
+def status_json(device: str, st: pb.UpdateStatus) -> dict[str, Any]:
+    """One update status for scripts: the device and every UpdateStatus field (protobuf JSON
+    mapping, proto field names, 64-bit integers as strings)."""
+    doc = MessageToDict(
+        st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    return {"device": device, **doc}
+
+
 def cmd_fleet_publish_update(args: argparse.Namespace) -> int:
     from agent.fleet.operator import FleetError
-    from agent.fleet.publish import online_devices, publish_update
+    from agent.fleet.publish import online_devices, publish_update, read_offer
+    from agent.ota.bundle import BundleError
 
     try:
         opts, fleet = _connection(args)
         prefix = args.prefix or fleet.topic_prefix
+        if not _good_prefix(prefix):
+            raise _Usage(f"--prefix {prefix!r}: topic levels without wildcards, e.g. fleet/v1")
         if bool(args.device) == bool(args.all):
             raise _Usage("give --device ID (repeatable) or --all")
         for d in args.device:
             if not DEVICE_ID_RE.fullmatch(d):
                 raise _Usage(f"device id {d!r} is not valid (A-Z a-z 0-9 _ . : -)")
-    except _Usage as exc:
+        read_offer(Path(args.bundle))  # a bad bundle is refused before anything is sent
+    except (_Usage, BundleError) as exc:
         return _fail(str(exc))
 
     def show(device: str, st: pb.UpdateStatus) -> None:
-        phase = pb.UpdateStatus.Phase.Name(st.phase)
-        size = f" {st.downloaded_bytes}/{st.total_bytes} B" if st.total_bytes else ""
-        print(f"{device}: {phase}{size} {st.message}".rstrip(), flush=True)
+        if args.json:
+            print(json.dumps(status_json(device, st)), flush=True)
+        else:
+            print(status_line(device, st), flush=True)
 
     try:
         devices = list(args.device) or online_devices(opts, prefix)
         if not devices:
-            print("no online devices", file=sys.stderr)
-            return 1
+            print(f"edge-agent: no online devices under {prefix}", file=sys.stderr)
+            return EXIT_FAILED
         result = publish_update(
             opts, prefix, Path(args.bundle), devices, timeout_s=args.timeout, on_status=show
         )
     except FleetError as exc:
         print(f"edge-agent: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
+    except BundleError as exc:  # the bundle changed under us
+        return _fail(str(exc))
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
     done = {d: p.status for d, p in result.items()}
     committed = [d for d, st in done.items() if st and st.phase == pb.UpdateStatus.COMMITTED]
-    print(f"{len(committed)} of {len(done)} devices committed the update")
-    return 0 if len(committed) == len(done) else 1
+    if args.json:
+        last = {d: _name(pb.UpdateStatus.Phase, st.phase) if st else None for d, st in done.items()}
+        summary = {"devices": len(done), "committed": committed, "last": last}
+        print(json.dumps({"summary": summary}))
+    else:
+        print(f"{len(committed)} of {len(done)} devices committed the update")
+    return 0 if len(committed) == len(done) else EXIT_FAILED
 
 
 # ----------------------------------------------------------------------------- parser
@@ -337,8 +369,9 @@ def add_fleet_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument(
         "cmd",
         metavar="CMD",
-        help="command: ping, status, reload, or update (--body-file: a SignedManifest, the "
-        "manifest.pb of a bundle; `publish-update` sends it and serves the payload)",
+        help="command: ping, status, reload, update (--body-file: a SignedManifest, the "
+        "manifest.pb of a bundle; `publish-update` sends it and serves the payload) or cancel "
+        "(--body-file: a SignedCancel of the update in progress)",
     )
     p.add_argument(
         "--arg", action="append", default=[], metavar="KEY=VALUE", help="argument (repeatable)"
@@ -361,6 +394,12 @@ def add_fleet_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--all", action="store_true", help="every device whose state is online")
     p.add_argument(
         "--timeout", type=float, default=1800.0, metavar="S", help="give up after S (1800)"
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per line: each status ({device, update_id, phase, reason_code, "
+        "message, ...}), then {summary: {devices, committed, last}}",
     )
     _connection_args(p)
     p.set_defaults(func=cmd_fleet_publish_update)

@@ -17,7 +17,7 @@ from agent.fleet.mqtt import MqttOptions, publish_properties
 from agent.fleet.operator import FleetError, _client_id, _Link, send, watch
 from agent.fleet.topics import Topics, parse
 from agent.fleet.watch import Presence
-from agent.ota.bundle import read_bundle
+from agent.ota.bundle import BundleError, Payload, read_bundle
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
@@ -43,6 +43,20 @@ class Progress:
         return self.status is not None and self.status.phase in FINAL
 
 
+def read_offer(bundle: Path) -> tuple[opb.SignedManifest, opb.Manifest, Payload]:
+    """What `publish_update` offers: the signed manifest, its content (not verified: the devices
+    do that) and where the payload is. BundleError naming the file if any of it does not read."""
+    signed, payload = read_bundle(bundle)
+    manifest = opb.Manifest()
+    try:
+        manifest.ParseFromString(signed.manifest)
+    except DecodeError as exc:
+        raise BundleError(f"{bundle}: the manifest in manifest.pb does not parse: {exc}") from exc
+    if not manifest.update_id:
+        raise BundleError(f"{bundle}: the manifest has no update_id")
+    return signed, manifest, payload
+
+
 def online_devices(opts: MqttOptions, prefix: str) -> list[str]:
     """Every device whose retained state says online."""
     view = watch(opts, prefix, once=True, settle_s=0.5, timeout_s=15.0, out=None)
@@ -59,11 +73,23 @@ def publish_update(
     timeout_s: float = 600.0,
     on_status: Callable[[str, fpb.UpdateStatus], None] | None = None,
 ) -> dict[str, Progress]:
-    """Offer `bundle` to `devices` and follow them until each is final or `timeout_s` passes."""
-    signed, payload = read_bundle(bundle)
-    manifest = opb.Manifest.FromString(signed.manifest)
+    """Offer `bundle` to `devices` and follow them until each is final or `timeout_s` passes.
+
+    `on_status` sees each distinct status of a device once (the command's answer and the
+    device's report of the same transition are one status), none after a final one."""
+    signed, manifest, payload = read_offer(bundle)
     progress = {d: Progress(d) for d in devices}
     by_block = {Topics(prefix, d).block_request: d for d in devices}
+    seen: dict[str, set[bytes]] = {d: set() for d in devices}
+
+    def record(device: str, status: fpb.UpdateStatus) -> None:
+        key = status.SerializeToString(deterministic=True)
+        if progress[device].final or key in seen[device]:
+            return
+        seen[device].add(key)
+        progress[device].status = status
+        if on_status is not None:
+            on_status(device, status)
 
     def on_message(msg: mqtt.MQTTMessage) -> None:
         p = parse(prefix, msg.topic)
@@ -79,9 +105,7 @@ def publish_update(
         except DecodeError:
             return
         if event.WhichOneof("kind") == "update" and event.update.update_id == manifest.update_id:
-            progress[p.device].status = event.update
-            if on_status is not None:
-                on_status(p.device, event.update)
+            record(p.device, event.update)
 
     def serve_block(device: str, data: bytes) -> None:
         try:
@@ -116,21 +140,22 @@ def publish_update(
             try:
                 resp = send(opts, prefix, d, "update", {}, signed.SerializeToString(), 30.0)
             except FleetError as exc:
-                progress[d].status = fpb.UpdateStatus(
-                    update_id=manifest.update_id, phase=fpb.UpdateStatus.FAILED, message=str(exc)
+                failed = fpb.UpdateStatus.FAILED
+                record(
+                    d,
+                    fpb.UpdateStatus(update_id=manifest.update_id, phase=failed, message=str(exc)),
                 )
                 continue
             if resp.HasField("update"):
-                progress[d].status = resp.update
+                record(d, resp.update)
             if resp.code != fpb.CommandResponse.OK and not progress[d].final:
-                progress[d].status = fpb.UpdateStatus(
-                    update_id=manifest.update_id,
-                    phase=fpb.UpdateStatus.REJECTED,
-                    message=resp.message,
+                rejected = fpb.UpdateStatus.REJECTED
+                record(
+                    d,
+                    fpb.UpdateStatus(
+                        update_id=manifest.update_id, phase=rejected, message=resp.message
+                    ),
                 )
-            status = progress[d].status
-            if on_status is not None and status is not None:
-                on_status(d, status)
         while not all(p.final for p in progress.values()) and time.monotonic() < deadline:
             link.pump(min(0.2, max(0.0, deadline - time.monotonic())))
     finally:
