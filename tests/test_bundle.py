@@ -8,6 +8,7 @@ import json
 import platform
 import shutil
 import tarfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -335,6 +336,50 @@ def test_cli_update_make_and_inspect(
     assert "raspberry-pi-5, raspberry-pi-4" in capsys.readouterr().out
     assert _run(["update", "inspect", str(out), "--trusted-keys", str(tmp_path / "none")]) == 1
     assert "verified    NO" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def expired_bundle(dirs: Dirs, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Signed by a trusted key two hours ago, valid for one: expired an hour ago."""
+    out = tmp_path_factory.mktemp("expired") / "old.tar"
+    issued = time.time() - 7200
+    make_bundle(dirs.base, dirs.new, [OLD], out, version=2, expires_in_s=3600, now=issued)
+    return out
+
+
+def test_cli_inspect_says_an_expired_bundle_is_expired(
+    expired_bundle: Path, trusted_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    signed, _ = read_bundle(expired_bundle)
+    m = verify(signed, keys.load_trusted(trusted_dir))  # the signature itself is good
+    assert m.expires_unix < time.time() - 3000  # and the manifest expired: the reference
+
+    assert _run(["update", "inspect", str(expired_bundle), "--trusted-keys", str(trusted_dir)]) == 3
+    text = capsys.readouterr().out
+    assert "verified    yes" not in text
+    (line,) = [x for x in text.split("\n") if x.startswith("verified")]
+    assert "EXPIRED" in line and "signature valid" in line
+    (line,) = [x for x in text.split("\n") if x.startswith("expires")]
+    assert "EXPIRED" in line
+
+    argv = ["update", "inspect", str(expired_bundle), "--trusted-keys", str(trusted_dir), "--json"]
+    assert _run(argv) == 3
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verified"] is True and doc["expired"] is True
+    assert doc["expires_in_s"] == pytest.approx(m.expires_unix - time.time(), abs=60)
+    # without keys the expiry is still known, and still not a success
+    assert _run(["update", "inspect", str(expired_bundle)]) == 3
+    assert "EXPIRED" in capsys.readouterr().out
+
+
+def test_cli_inspect_a_fresh_bundle_is_not_expired(
+    bundle: Path, trusted_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _run(["update", "inspect", str(bundle), "--trusted-keys", str(trusted_dir)]) == 0
+    text = capsys.readouterr().out
+    assert "verified    yes" in text and "EXPIRED" not in text
+    assert _run(["update", "inspect", str(bundle), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["expired"] is False
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from agent.errors import AgentError
 from agent.modeldir import METADATA_FILE, ModelMeta, Variant, load_model_dir, sha256_file
 from agent.ota import delta
 from agent.ota.manifest import (
+    CLOCK_SKEW_S,
     FORMAT_VERSION,
     MAX_MANIFEST_BYTES,
     UpdateRejected,
@@ -316,10 +317,14 @@ def read_bundle(path: Path) -> tuple[opb.SignedManifest, Payload]:
     return signed, payload
 
 
-def inspect(path: Path, trusted: Mapping[str, Ed25519PublicKey] | None = None) -> dict[str, Any]:
+def inspect(
+    path: Path, trusted: Mapping[str, Ed25519PublicKey] | None = None, now: float | None = None
+) -> dict[str, Any]:
     """A bundle as a JSON-ready dict: the manifest's fields, its signatures (with `trusted`:
-    whether each key is trusted and its signature valid, and the verdict of `verify`), and the
-    payload's actual size and sha256 against the declared ones."""
+    whether each key is trusted and its signature valid, and the verdict of `verify`), whether
+    it is valid at `now` (default: the clock; `expired`, `not_yet_valid`, `expires_in_s`), and
+    the payload's actual size and sha256 against the declared ones."""
+    at = time.time() if now is None else now
     signed, payload = read_bundle(path)
     manifest = opb.Manifest()
     try:
@@ -346,6 +351,9 @@ def inspect(path: Path, trusted: Mapping[str, Ed25519PublicKey] | None = None) -
         "signatures": sigs,
         "verified": None,
         "rejected": None,
+        "expired": manifest.expires_unix <= at,
+        "not_yet_valid": manifest.issued_unix > at + CLOCK_SKEW_S,
+        "expires_in_s": manifest.expires_unix - at,
         "payload": {
             "size": payload.size,
             "sha256": actual_sha,
@@ -379,7 +387,7 @@ def describe(doc: Mapping[str, Any]) -> str:
         f"{'ok' if p['sha256_ok'] else 'MISMATCH'}",
         f"url         {m['payload_url'] or '(over MQTT)'}",
         f"issued      {_utc(m['issued_unix'])}",
-        f"expires     {_utc(m['expires_unix'])}",
+        f"expires     {_utc(m['expires_unix'])}{_validity(doc)}",
         f"profiles    {', '.join(m['compatible_profiles']) or 'any'}",
         f"arch        {', '.join(m['compatible_arch']) or 'any'}",
         f"min agent   {m['min_agent_version'] or 'any'}",
@@ -399,8 +407,30 @@ def describe(doc: Mapping[str, Any]) -> str:
         lines.append(f"  {s['key_id']}  {state}".rstrip())
     if doc["verified"] is not None:
         r = doc["rejected"]
-        lines.append("verified    yes" if doc["verified"] else f"verified    NO: {r['message']}")
+        if not doc["verified"]:
+            lines.append(f"verified    NO: {r['message']}")
+        elif doc["expired"] or doc["not_yet_valid"]:
+            why = "EXPIRED" if doc["expired"] else "NOT YET VALID"
+            lines.append(f"verified    {why}: signature valid, but devices refuse it now")
+        else:
+            lines.append("verified    yes")
     return "\n".join(lines)
+
+
+def _validity(doc: Mapping[str, Any]) -> str:
+    left = float(doc["expires_in_s"])
+    if doc["expired"]:
+        return f"  EXPIRED {_span(-left)} ago"
+    if doc["not_yet_valid"]:
+        return "  NOT YET VALID: issued more than a day in the future (check the clocks)"
+    return f"  (in {_span(left)})"
+
+
+def _span(seconds: float) -> str:
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
 
 
 def _utc(ts: float) -> str:

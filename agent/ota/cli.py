@@ -3,7 +3,8 @@ signed model updates (docs/UPDATES.md).
 
 Exit codes: 0 done; 1 `update inspect` found the bundle does not verify against
 ``--trusted-keys`` or its payload does not match the manifest; 2 usage errors, unreadable
-or invalid inputs.
+or invalid inputs; 3 `update inspect`: the bundle is otherwise good but expired (or issued
+more than a day in the future), so devices refuse it: re-sign it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_EXPIRED = 3
 DEFAULT_KEY_NAME = "update-signing"
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)")
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
@@ -159,7 +161,9 @@ def cmd_update_inspect(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     print(json.dumps(doc, indent=2) if args.json else describe(doc))
     payload_ok = doc["payload"]["size_ok"] and doc["payload"]["sha256_ok"]
-    return 0 if payload_ok and doc["verified"] is not False else EXIT_FAILED
+    if not payload_ok or doc["verified"] is False:
+        return EXIT_FAILED
+    return EXIT_EXPIRED if doc["expired"] or doc["not_yet_valid"] else 0
 
 
 def add_update_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -212,7 +216,8 @@ def add_update_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         "inspect",
         help="show a bundle's manifest, signatures and payload check",
         description="Exit 1 if the payload does not match the manifest, or with --trusted-keys "
-        "if no trusted key validly signed it.",
+        "if no trusted key validly signed it; exit 3 if it is otherwise good but expired (or "
+        "issued more than a day in the future): devices would refuse it.",
     )
     p.add_argument("bundle", metavar="BUNDLE")
     p.add_argument("--trusted-keys", metavar="DIR", help="check the signatures against DIR/*.pub")
