@@ -702,7 +702,10 @@ def load(
     """
     keep_large_buffers_mapped()
     model = read_model_file(path, parse_cache(profile, cache_key))
-    layout = discover_layout(model, context_length)
+    try:
+        layout = discover_layout(model, context_length)
+    except ModelFormatError as exc:  # say which file: a directory holds several
+        raise ModelFormatError(f"{path}: {exc}") from exc
     if not kv_windows:
         layout = replace(layout, windows=())
     source = str(profile.source)

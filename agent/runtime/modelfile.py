@@ -117,9 +117,15 @@ def read_model_file(path: Path, cache: Path | None = None) -> ModelFile:
     except ModelFormatError:
         raise
     except Exception as exc:  # a corrupt flatbuffer can fail anywhere in the generated code
-        raise ModelFormatError(f"{path}: corrupt TFLite flatbuffer: {exc}") from exc
+        raise ModelFormatError(
+            f"{path}: corrupt TFLite flatbuffer ({type(exc).__name__}: {exc})"
+        ) from exc
     finally:
-        data.close()
+        # After a failed parse, views of the map (numpy arrays of the generated accessors)
+        # live on in the error's traceback, and closing would raise BufferError over the
+        # error: the map is then unmapped when the last view goes.
+        with contextlib.suppress(BufferError):
+            data.close()
     if cache is not None:
         _keep(cache, stamp, model)
     return model
