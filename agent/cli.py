@@ -238,7 +238,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         profile=_profile_name(args),
         model=Path(args.model).resolve() if args.model else None,
         quantization=args.quantization,
-        socket=Path(args.socket).resolve() if args.socket else None,
+        # absolute, not resolved: a symbolic link given as --socket is refused as one
+        socket=Path(args.socket).absolute() if args.socket else None,
         tcp=args.tcp,
         state_dir=Path(args.state_dir).resolve() if args.state_dir else None,
         broker=args.broker,

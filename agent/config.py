@@ -199,11 +199,15 @@ class AgentConfig:
 
 
 def check_tcp(source: str, key: str, value: str, allow_remote: bool) -> str:
-    """`HOST:PORT` with a literal IP; non-loopback hosts only when explicitly allowed."""
+    """`HOST:PORT` with a literal IP; non-loopback hosts only when explicitly allowed. Port 0
+    asks for an ephemeral port: the daemon logs the one it bound and says it in its status."""
     host, sep, port = value.rpartition(":")
     host = host.strip("[]")
-    allowed = "HOST:PORT with a literal IP address, e.g. 127.0.0.1:50051 or [::1]:50051"
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    allowed = (
+        "HOST:PORT with a literal IP address and a port 0-65535 (0: any free port), e.g. "
+        "127.0.0.1:50051 or [::1]:50051"
+    )
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ConfigError(source, key, value, allowed)
     try:
         ip = ipaddress.ip_address(host)

@@ -6,6 +6,11 @@ service restarted — and a STATUS line when it changed. SIGHUP re-reads the con
 the profile and, when the model changed, loads the new engine beside the old one, switches
 new requests to it and drains the old one: the socket stays bound and no request is dropped.
 SIGTERM stops accepting, drains in-flight requests within the configured timeout, and exits.
+
+Start-up refuses, before it loads anything, what would harm the host or another daemon: the
+state directory is locked for the daemon's life (`agent.statelock`), and a socket path that is
+not a socket, is live, or has no parent is refused (`agent.rpc.unixsocket`); each is one line
+and exit 2, with nothing on the host changed.
 """
 
 from __future__ import annotations
@@ -37,8 +42,10 @@ from agent.ota.updater import Updater
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from agent.profile import DeviceProfile, choose_quantization, resolve_profile
+from agent.rpc import unixsocket
 from agent.rpc.server import Server
 from agent.runtime.litert import prune_weight_cache
+from agent.statelock import StateLock
 from agent.status import AgentStatus, rss_bytes
 from agent.systemd import Notifier
 
@@ -100,20 +107,31 @@ class _Plan:
     state_dir: Path
 
 
+def _state_dir(overrides: Overrides) -> Path:
+    return overrides.state_dir or DEFAULT_STATE_DIR
+
+
 def _plan(config: AgentConfig, overrides: Overrides) -> _Plan:
+    """The plan for the configured model, its variant chosen here once (the engine is then
+    told which: the profile's choice is made, and logged, one time per start or reload)."""
     profile, reasons = resolve_profile(overrides.profile)
     for r in reasons:
         log.info("profile %s: %s", profile.name, r)
     model_dir = config.model.path or profile.model.path or demo_model_dir()
     lim = config.limits
-    state_dir = overrides.state_dir or DEFAULT_STATE_DIR
-    return _Plan(
+    state_dir = _state_dir(overrides)
+    plan = _Plan(
         _with_weight_cache(profile, state_dir),
         model_dir,
         config.model.quantization,
         EngineLimits(lim.max_active, lim.queue_capacity, lim.max_pending_events, lim.max_sessions),
         state_dir,
     )
+    if plan.quantization is None:
+        meta = _open(plan, model_dir)
+        quant = choose_quantization(plan.profile, [v.quantization for v in meta.variants])
+        plan = dataclasses.replace(plan, quantization=quant)
+    return plan
 
 
 def _with_weight_cache(profile: DeviceProfile, state_dir: Path) -> DeviceProfile:
@@ -288,19 +306,32 @@ class Daemon:
         self._wake = asyncio.Event()
         self._install_signals(asyncio.get_running_loop())
         t0 = time.monotonic()
+        unixsocket.check(self.config.server.socket)  # refused before anything changes
+        lock = StateLock.acquire(_state_dir(self.overrides))  # before anything writes there
+        try:
+            return await self._serve(t0)
+        finally:
+            lock.release()
+
+    async def _serve(self, t0: float) -> int:
         base = _plan(self.config, self.overrides)
         self._updater = Updater(Store(base.state_dir), self.config.updates, shipped_ref(base))
         self._updater.boot()
         self._plan = self._with_update(base)
         self.notifier.status(f"loading {self._plan.model_dir.name} on {self._plan.profile.name}")
         self._engine = await self._load(self._plan)
-        server = self._server = Server(self, self.config.server, self.config.limits.max_tokens)
-        await server.start()
+        try:
+            server = self._server = Server(self, self.config.server, self.config.limits.max_tokens)
+            await server.start()  # checks the socket path again, as it binds
+        except BaseException:
+            self._engine.stop(0)
+            self._engine.close()
+            raise
         self._state = "serving"
         await server.set_serving(True)
         info = self._engine.info
         log.info(
-            "ready in %.2f s: %s %s (%s) on %s via %s, profile %s",
+            "ready in %.2f s: %s %s (%s) on %s via %s, profile %s; listening on %s",
             time.monotonic() - t0,
             info.name,
             info.version,
@@ -308,6 +339,7 @@ class Daemon:
             info.accelerator,
             info.execution_path,
             self._plan.profile.name,
+            ", ".join(server.addresses),
         )
         self._start_fleet()
         self._updater.blocks = self._fleet.link if self._fleet is not None else None
@@ -409,9 +441,12 @@ class Daemon:
         if e is None:
             return self._state
         s = e.stats()
+        # a TCP port may be ephemeral (--tcp 127.0.0.1:0): the one bound is said here
+        tcp = [a for a in (self._server.addresses if self._server else []) if a[:5] != "unix:"]
         return (
             f"{self._state}: {e.info.name} {e.info.quantization} on {e.info.accelerator}; "
             f"{s.active} active, {s.queue_depth} queued, {s.requests_total} done"
+            + (f"; tcp {', '.join(tcp)}" if tcp else "")
         )
 
     async def _do_reload(self, server: Server) -> fpb.ReloadDone:

@@ -1,4 +1,6 @@
-"""grpc.aio server on a unix socket: the Agent service, grpc.health.v1 and reflection.
+"""grpc.aio server on a unix socket: the Agent service, grpc.health.v1 and reflection (v1 and
+v1alpha, `agent.rpc.reflection`). What may be removed at the socket's path, before binding and
+after serving, is `agent.rpc.unixsocket`'s to decide.
 
 Wire messages become domain values here and never travel inward; domain errors become gRPC
 status codes through `agent.errors.GRPC_STATUS`. The engine runs on its own thread; its events
@@ -12,7 +14,6 @@ of the client key in the call's metadata, or "" for everyone when `[sessions] sh
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import grp
 import logging
@@ -20,22 +21,21 @@ import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 
 from agent.config import AgentConfig, ServerConfig
 from agent.engine.chat import ChatMessage, check_messages
 from agent.engine.engine import Engine
 from agent.engine.sampler import SamplingParams
 from agent.engine.types import GenerateRequest, SessionInfo, TierStats, TokenEvent
-from agent.errors import AgentError, InvalidRequest, grpc_status_name
+from agent.errors import AgentError, HostError, InvalidRequest, grpc_status_name
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
+from agent.rpc import reflection, unixsocket
 from agent.rpc.identity import key_from_metadata, owner_of
 from agent.status import AgentStatus
 
@@ -446,32 +446,39 @@ class Server:
         self._server.add_generic_rpc_handlers((_handlers(AgentService(backend, max_tokens_limit)),))
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection(
-            (
-                SERVICE,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            self._server,
+        reflection.enable(
+            self._server, (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
         )
         self.addresses: list[str] = []
+        self._bound: unixsocket.BoundSocket | None = None
 
     async def start(self) -> None:
-        """Bind the unix socket (and TCP if configured), then start serving (NOT_SERVING)."""
+        """Bind the unix socket (and TCP if configured), then start serving (NOT_SERVING).
+
+        Refuses (HostError, AlreadyRunning) a socket path that is not a socket, a live socket
+        or a missing parent directory, having changed nothing; see `agent.rpc.unixsocket`."""
         await self.set_serving(False)
         sock = self._config.socket
-        sock.parent.mkdir(parents=True, exist_ok=True)
-        if sock.is_socket() or sock.exists():
-            sock.unlink()  # a stale socket from a previous run
-        old = os.umask(0o777 ^ self._config.socket_mode)
-        try:
-            self._server.add_insecure_port(f"unix:{sock}")
-        finally:
-            os.umask(old)
+        with unixsocket.bind_guard(sock):
+            old = os.umask(0o777 ^ self._config.socket_mode)
+            try:
+                self._server.add_insecure_port(f"unix:{sock}")
+            except RuntimeError as exc:  # gRPC says only "Failed to bind"
+                raise HostError(f"cannot bind the unix socket {sock}") from exc
+            finally:
+                os.umask(old)
+            self._bound = unixsocket.bound(sock)
         self.addresses.append(f"unix:{sock}")
         if self._config.tcp:
-            port = self._server.add_insecure_port(self._config.tcp)
-            self.addresses.append(f"{self._config.tcp.rpartition(':')[0]}:{port}")
+            host = self._config.tcp.rpartition(":")[0]
+            try:
+                port = self._server.add_insecure_port(self._config.tcp)
+            except RuntimeError as exc:
+                raise HostError(
+                    f"cannot listen on {self._config.tcp}: the port is in use or the address is "
+                    "not one of this machine's"
+                ) from exc
+            self.addresses.append(f"{host}:{port}")
         await self._server.start()
         os.chmod(sock, self._config.socket_mode)
         if self._config.socket_group:
@@ -488,7 +495,9 @@ class Server:
             await self.health.set(name, status)
 
     async def stop(self, grace: float) -> None:
+        """Stop serving; remove the socket only if it is still the one `start` bound."""
         await self.set_serving(False)
         await self._server.stop(grace)
-        with contextlib.suppress(FileNotFoundError):
-            Path(self._config.socket).unlink()
+        if self._bound is not None:
+            unixsocket.remove_if_ours(self._bound)
+            self._bound = None
