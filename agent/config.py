@@ -69,6 +69,7 @@ UPDATES = (
     "max_payload_bytes",
     "progress_interval_s",
     "retry_s",
+    "max_download_attempts",
 )
 MQTT_PROTOCOLS = ("5", "3.1.1")
 BROKER_FORMAT = "mqtt://HOST:PORT or mqtts://HOST:PORT (mqtts: TLS)"
@@ -183,6 +184,7 @@ class UpdatesConfig:
     max_payload_bytes: int = 4 << 30  # refuse manifests declaring more
     progress_interval_s: float = 5.0  # download progress reports, at most this often
     retry_s: float = 30.0  # between download attempts
+    max_download_attempts: int = 20  # in a row without progress: then the update is given up
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,6 +312,7 @@ def _parse_updates(t: Table) -> UpdatesConfig:
         max_payload_bytes=t.size("max_payload_bytes", 1024, 1 << 40, d.max_payload_bytes),
         progress_interval_s=num("progress_interval_s", 0.1, 3600, d.progress_interval_s),
         retry_s=num("retry_s", 0.1, 3600, d.retry_s),
+        max_download_attempts=t.integer("max_download_attempts", 1, 10000, d.max_download_attempts),
     )
 
 

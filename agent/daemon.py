@@ -256,9 +256,9 @@ class Daemon:
         )
         return None if got == want else f"greedy tokens {got} != expected {want}"
 
-    def report(self, status: fpb.UpdateStatus) -> None:
+    def report(self, status: fpb.UpdateStatus, key: str = "") -> None:
         if self._fleet is not None:
-            self._fleet.report_update(status)
+            self._fleet.report_update(status, key)
 
     def remove_unused_caches(self) -> None:
         directory = self._plan.profile.runtime.xnnpack_weight_cache_dir if self._plan else None
@@ -272,6 +272,10 @@ class Daemon:
     async def offer_update(self, signed: bytes) -> fpb.UpdateStatus:
         assert self._updater is not None
         return await self._updater.offer(signed)
+
+    async def cancel_update(self, signed: bytes) -> fpb.UpdateStatus:
+        assert self._updater is not None
+        return await self._updater.cancel(signed)
 
     def _with_update(self, plan: _Plan) -> _Plan:
         """The model an installed update made current wins over config and profile."""

@@ -1,6 +1,7 @@
 """A real HTTP server on 127.0.0.1 for update payloads, with `Range: bytes=N-` support, and
-two misbehaviours the updater must survive: cutting the connection after some bytes (resume),
-and sending more bytes than the file has (an "endless data" attack)."""
+three misbehaviours the updater must survive: cutting the connection after some bytes (resume),
+sending more bytes than the file has (an "endless data" attack), and serving a file shorter
+than the manifest declares (every response whole and well-formed, just short)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ class Served:
     path: Path
     cut_after: int = 0  # >0: the first response stops after this many bytes
     extra: int = 0  # >0: append this many junk bytes (and announce no length)
+    short: int = 0  # >0: the last this many bytes of the file are never served
     requests: list[str] = field(default_factory=list)  # the Range headers seen ("" = none)
 
 
@@ -30,6 +32,7 @@ class PayloadServer:
             def do_GET(self) -> None:
                 s = outer.served
                 data = s.path.read_bytes()
+                data = data[: len(data) - s.short] if s.short else data
                 rng = self.headers.get("Range", "")
                 s.requests.append(rng)
                 start = int(rng.removeprefix("bytes=").rstrip("-")) if rng else 0

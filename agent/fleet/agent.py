@@ -6,6 +6,7 @@ Commands run on the daemon's event loop, at most `MAX_COMMANDS` at once:
   status  → a fresh Health
   reload  → what SIGHUP does; answered when the reload has finished, and recorded as an event
   update  → a signed manifest (docs/UPDATES.md): answered when accepted or rejected
+  cancel  → a signed cancel of the update in progress: answered once it has ended
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Protocol
 from agent import __version__
 from agent.config import FleetConfig
 from agent.engine.engine import ModelInfo
-from agent.errors import ConfigError, Unavailable
+from agent.errors import ConfigError, InvalidRequest, Unavailable
 from agent.fleet.health import HealthReporter, build_health, read_disk, read_thermal
 from agent.fleet.link import FleetLink, Reply, SessionCounter
 from agent.fleet.mqtt import MqttOptions
@@ -46,6 +47,9 @@ class FleetBackend(Protocol):
     def reload(self) -> Awaitable[fpb.ReloadDone]: ...
 
     def offer_update(self, signed: bytes) -> Awaitable[fpb.UpdateStatus]: ...
+
+    def cancel_update(self, signed: bytes) -> Awaitable[fpb.UpdateStatus]:
+        """The update's status once the cancel has ended it; InvalidRequest if refused."""
 
 
 def resolve_device_id(fleet: FleetConfig, machine_id: Path = MACHINE_ID) -> str:
@@ -156,19 +160,23 @@ class FleetAgent:
         )
 
     def record(self, event: fpb.Event) -> None:
-        """Keep an event on disk until the broker has it."""
+        """Keep an event on disk until the broker has it (once per idempotency key)."""
         event.device_id = self.device_id
         stored = self.outbox.append(event)
+        if stored is None:
+            return
         log.info("fleet: event %d recorded (%s)", stored.seq, stored.WhichOneof("kind"))
         self.link.events_added()
 
     def reload_done(self, done: fpb.ReloadDone) -> None:
         self.record(fpb.Event(reload=done))
 
-    def report_update(self, status: fpb.UpdateStatus) -> None:
-        """An update's transition: kept on disk until delivered, and shown in health."""
+    def report_update(self, status: fpb.UpdateStatus, key: str = "") -> None:
+        """An update's transition: kept on disk until delivered, and shown in health. A
+        transition carries a key (update id and state): reported again after a crash, it is
+        recorded once."""
         self.last_update = status
-        self.record(fpb.Event(update=status))
+        self.record(fpb.Event(update=status, key=key))
 
     # ------------------------------------------------------------------ fleet → daemon
 
@@ -231,6 +239,7 @@ class FleetAgent:
             "status": self._status,
             "reload": self._reload,
             "update": self._update,
+            "cancel": self._cancel_update,
         }
 
     async def _ping(self, command: fpb.Command) -> fpb.CommandResponse:
@@ -246,6 +255,16 @@ class FleetAgent:
         ok = status.phase == fpb.UpdateStatus.RECEIVED
         code = Code.OK if ok else Code.INVALID_ARGUMENT
         return Code(code=code, message=status.message, update=status)
+
+    async def _cancel_update(self, command: fpb.Command) -> fpb.CommandResponse:
+        """The body is a SignedCancel naming the update in progress (docs/UPDATES.md); the
+        update's end (rejected, `cancelled`) is also reported on the status topic."""
+        try:
+            status = await self._backend.cancel_update(command.body)
+        except InvalidRequest as exc:  # not signed by a trusted key, expired, nothing to stop
+            log.warning("fleet: cancel refused: %s", exc)
+            return Code(code=Code.INVALID_ARGUMENT, message=f"cancel refused: {exc}")
+        return Code(code=Code.OK, message=status.message, update=status)
 
     async def _reload(self, command: fpb.Command) -> fpb.CommandResponse:
         done = await self._backend.reload()

@@ -7,6 +7,12 @@ seqs keep increasing across restarts even when every event was delivered and del
 disk). When the disk refuses a write the event waits in memory (counted in the same bound) and
 goes to disk with the next write that succeeds.
 
+An event may carry an idempotency `key`: an event whose key the outbox has already taken is not
+recorded again (`append` returns None), so a report that is re-derived after a crash — the
+updater re-reports its record's state at every start — is recorded once. The last `MAX_KEYS`
+keys are kept in ``keys`` (written after the event file, so a crash between the two leaves the
+key in the event file, where the next start finds it).
+
 `append` runs on the event loop, `peek` and `ack` on the MQTT network thread: one lock.
 """
 
@@ -31,6 +37,8 @@ log = logging.getLogger(__name__)
 
 SUFFIX: Final = ".event"
 SEQ_FILE: Final = "last_seq"
+KEYS_FILE: Final = "keys"
+MAX_KEYS: Final = 1024
 _NAME_RE: Final = re.compile(r"(\d{12})\.event")
 
 
@@ -52,6 +60,7 @@ class Outbox:
         self._unsaved: set[int] = set()  # seqs kept in memory only
         self._last_seq = 0
         self._dropped = 0
+        self._keys: OrderedDict[str, None] = OrderedDict()  # idempotency keys taken, oldest first
         self._disk_ok = True  # the last write succeeded
         # False when the directory could not be scanned: writing there could overwrite
         # undelivered events of an earlier run, so this process keeps everything in memory.
@@ -73,8 +82,9 @@ class Outbox:
         with self._lock:
             return len(self._items)
 
-    def append(self, event: fpb.Event) -> fpb.Event:
-        """Store a copy of `event` with the next seq (and the time, if unset) and return it.
+    def append(self, event: fpb.Event) -> fpb.Event | None:
+        """Store a copy of `event` with the next seq (and the time, if unset) and return it;
+        None if its `key` was taken before (the event is already recorded, or was delivered).
 
         Never raises on I/O: an event the disk refuses waits in memory. Raises ValueError for
         an event without a kind (a bug in the caller: such a file would read back as corrupt).
@@ -86,11 +96,17 @@ class Outbox:
         if not stored.timestamp_unix:
             stored.timestamp_unix = time.time()
         with self._lock:
+            if stored.key and stored.key in self._keys:
+                log.debug("outbox: event %s already recorded", stored.key)
+                return None
             self._last_seq += 1
             stored.seq = self._last_seq
             self._items[stored.seq] = stored
             self._unsaved.add(stored.seq)
             self._save_unsaved()
+            if stored.key:
+                self._take_key(stored.key)
+                self._save_keys()
             while len(self._items) > self.max_items:
                 log.warning(
                     "outbox full (%d events): dropped the oldest undelivered event %d",
@@ -133,6 +149,26 @@ class Outbox:
             log.info("outbox %s: writable again, events saved", self.dir)
         self._disk_ok = True
 
+    def has_key(self, key: str) -> bool:
+        """Whether an event with this idempotency key was taken."""
+        with self._lock:
+            return key in self._keys
+
+    def _take_key(self, key: str) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > MAX_KEYS:
+            self._keys.popitem(last=False)
+
+    def _save_keys(self) -> None:
+        """After the event file: a crash in between leaves the key in the event itself."""
+        if not self._use_disk:
+            return
+        try:
+            atomic_write_bytes(self.dir / KEYS_FILE, "".join(k + "\n" for k in self._keys).encode())
+        except OSError as exc:  # the event files still hold the keys of undelivered events
+            log.warning("outbox %s: cannot write %s: %s", self.dir, KEYS_FILE, exc)
+
     def _drop_oldest(self) -> int:
         seq, _ = self._items.popitem(last=False)
         self._forget(seq)
@@ -164,8 +200,12 @@ class Outbox:
                 else:
                     found.append(event)
         found.sort(key=lambda e: e.seq)
+        for key in _read_keys(self.dir / KEYS_FILE):
+            self._take_key(key)
         for event in found:
             self._items[event.seq] = event
+            if event.key:
+                self._take_key(event.key)
         self._last_seq = max(_read_seq(self.dir / SEQ_FILE), found[-1].seq if found else 0)
         if temps:
             log.info("outbox %s: deleted %d temp files left by a crash", self.dir, temps)
@@ -210,6 +250,16 @@ def _read_seq(path: Path) -> int:
     except (OSError, ValueError) as exc:
         log.warning("outbox: ignoring unreadable %s: %s", path, exc)
         return 0
+
+
+def _read_keys(path: Path) -> list[str]:
+    try:
+        return [k for k in path.read_text().splitlines() if k]
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as exc:  # the undelivered events' own keys still count
+        log.warning("outbox: ignoring unreadable %s: %s", path, exc)
+        return []
 
 
 def _remove(path: Path) -> int:

@@ -29,7 +29,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from google.protobuf.message import DecodeError
 
-from agent.errors import AgentError
+from agent.errors import InvalidRequest
 from agent.ota.keys import key_id
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
@@ -56,7 +56,7 @@ CODES = (
     "bad_payload_size",  # 0 or above the device's limit
     "inconsistent",  # the manifest contradicts itself (file list, ids, urls, metadata)
     "wrong_model",  # another model's update
-    "replay",  # this update_id already finished on this device
+    "replay",  # this update_id was received here before and has ended (whatever its end)
     "rollback",  # version not newer than the installed one
     "expired",  # expires_unix <= now (freeze attack)
     "not_yet_valid",  # issued more than CLOCK_SKEW_S in the future
@@ -67,10 +67,11 @@ CODES = (
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _UPDATE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+UPDATE_ID_RE = _UPDATE_ID  # update ids name files on the device
 _VERSION = re.compile(r"(\d+(?:\.\d+)*)")
 
 
-class UpdateRejected(AgentError):
+class UpdateRejected(InvalidRequest):
     """An update may not be installed: a stable short `code` and a message for people."""
 
     def __init__(self, code: str, message: str) -> None:
@@ -142,10 +143,33 @@ def verify(
         raise UpdateRejected(
             "malformed", f"the manifest is {len(data)} bytes (limit {MAX_MANIFEST_BYTES})"
         )
-    ids = [s.key_id for s in signed.signatures]
+    authenticate(signed.signatures, data, trusted, "manifest")
+    manifest = opb.Manifest()
+    try:
+        manifest.ParseFromString(data)
+    except DecodeError as exc:
+        raise UpdateRejected("malformed", f"the manifest does not parse: {exc}") from exc
+    manifest.DiscardUnknownFields()
+    if canonical(manifest) != data:
+        raise UpdateRejected("not_canonical", "manifest bytes are not canonical")
+    return manifest
+
+
+def authenticate(
+    signatures: Iterable[opb.Signature],
+    data: bytes,
+    trusted: Mapping[str, Ed25519PublicKey],
+    what: str,
+) -> str:
+    """The id of a trusted key with a valid signature over `data` (a `what`: "manifest").
+
+    Raises UpdateRejected: "unknown_key", "bad_signature".
+    """
+    signatures = list(signatures)
+    ids = [s.key_id for s in signatures]
     bad: list[str] = []
     good = ""
-    for sig in signed.signatures:
+    for sig in signatures:
         key = trusted.get(sig.key_id)
         if key is None:
             continue
@@ -171,16 +195,8 @@ def verify(
             f"trusted: {', '.join(sorted(trusted))})",
         )
     if bad:
-        log.warning("manifest has a bad signature by key %s (accepted by %s)", bad, good)
-    manifest = opb.Manifest()
-    try:
-        manifest.ParseFromString(data)
-    except DecodeError as exc:
-        raise UpdateRejected("malformed", f"the manifest does not parse: {exc}") from exc
-    manifest.DiscardUnknownFields()
-    if canonical(manifest) != data:
-        raise UpdateRejected("not_canonical", "manifest bytes are not canonical")
-    return manifest
+        log.warning("%s has a bad signature by key %s (accepted by %s)", what, bad, good)
+    return good
 
 
 # ----------------------------------------------------------------------------- checks
@@ -342,7 +358,12 @@ def check(manifest: opb.Manifest, ctx: InstallContext, now: float) -> None:
             f"the update is for model {m.model_name!r}, this device serves {ctx.model_name!r}",
         )
     if m.update_id in ctx.finished_update_ids:
-        raise UpdateRejected("replay", f"update {m.update_id} already finished on this device")
+        raise UpdateRejected(
+            "replay",
+            f"update {m.update_id} was already received on this device and has ended (committed, "
+            "rolled back, rejected, given up or cancelled); an update id is used once: a "
+            "re-issue needs a new one (`update make` gives every bundle a new id)",
+        )
     if m.version <= ctx.installed_version:
         raise UpdateRejected(
             "rollback",

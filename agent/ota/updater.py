@@ -10,6 +10,10 @@ power cut `boot()` and `resume()` continue from it:
 * `resume()` runs once the daemon serves and continues an interrupted download, stage,
   activation or trial.
 
+Reports: each transition is reported right after its record is saved, with an idempotency key
+(update id and state); `attach()` re-reports the record's state at every start, so a crash
+between the record and its report loses nothing, and the outbox records each key once.
+
 Everything here runs on the daemon's event loop; downloads and patching run in a worker
 thread. The current model serves throughout; nothing changes until the new model has loaded
 beside it and passed its canary.
@@ -18,6 +22,7 @@ beside it and passed its canary.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -32,7 +37,9 @@ from agent.config import UpdatesConfig
 from agent.errors import AgentError
 from agent.modeldir import sha256_file
 from agent.ota import delta, keys, manifest
+from agent.ota.cancel import verify_cancel
 from agent.ota.fetch import (
+    HTTP_TIMEOUT_S,
     BlockSource,
     DownloadFailed,
     PayloadTooLarge,
@@ -50,6 +57,8 @@ R = opb.UpdateRecord
 Phase = fpb.UpdateStatus
 FINAL = (R.COMMITTED, R.ROLLED_BACK, R.REJECTED)
 CRASH_ENV = "EDGE_AGENT_OTA_CRASH_AT"  # tests: SIGKILL ourselves on entering this state
+UNREPORTED = "unreported-"  # + a state: SIGKILL between saving the record and its report
+CANCELLABLE = (R.RECEIVED, R.DOWNLOADING, R.VERIFIED, R.STAGED)  # before the new model loads
 
 
 class UpdateHost(Protocol):
@@ -64,7 +73,9 @@ class UpdateHost(Protocol):
     async def check_serving(self, canary: opb.Canary | None) -> str | None:
         """None if the serving model is healthy, else why not (the trial's checks)."""
 
-    def report(self, status: fpb.UpdateStatus) -> None: ...
+    def report(self, status: fpb.UpdateStatus, key: str = "") -> None:
+        """Record a status report (durably, when there is a fleet link); a report with a `key`
+        that was recorded before is not recorded again."""
 
     def remove_unused_caches(self) -> None:
         """Delete what loading models left that the serving model does not use (its prepared
@@ -86,7 +97,9 @@ class Updater:
         self.host: UpdateHost | None = None
         self._task: asyncio.Task[None] | None = None
         self._stop = threading.Event()
-        self._pending: list[fpb.UpdateStatus] = []
+        self._wake: asyncio.Event | None = None  # cuts the pause between download attempts
+        self._cancel = ""  # why the update in progress was cancelled (set by `cancel`)
+        self._pending: list[tuple[fpb.UpdateStatus, str]] = []
 
     # ------------------------------------------------------------------ state
 
@@ -106,10 +119,14 @@ class Updater:
         """Before the first load: finish what a crash left, and say which model to load."""
         rec = self.store.record()
         inst = self.installed()
+        if rec is not None and rec.state not in (*FINAL, R.STATE_UNSPECIFIED):
+            # the state a crash interrupted may be unreported; `attach` sends it (once)
+            self._report(rec, rec.reason, rec.reason_code)
         if rec is not None and rec.state == R.ACTIVATING:
             target = self._manifest(rec).target_model_sha256
             if inst.current.sha256 == target:  # the switch happened: this start is a trial start
                 rec.state, rec.trial_started_unix = R.TRIAL, rec.trial_started_unix or time.time()
+                rec.reason = "serving the new model; trial running (the agent restarted)"
             else:
                 self._finish(rec, R.ROLLED_BACK, "the agent restarted while activating")
         if rec is not None and rec.state == R.ROLLED_BACK:
@@ -149,6 +166,7 @@ class Updater:
         previous = inst.last_good if inst.last_good != inst.current else None
         rolled = Installed(previous or self.shipped, None, inst.finished)
         self.store.switch(rolled)
+        self._remove_built(rec)
         if report:
             self._report(rec, reason)
         return rolled
@@ -156,15 +174,30 @@ class Updater:
     # ------------------------------------------------------------------ entry points
 
     def attach(self, host: UpdateHost) -> None:
+        """Once the daemon can report: send what `boot` reported, re-report the record's state
+        (recorded once: a crash may have come between the record and its report), and say if
+        the trusted keys are unusable."""
         self.host = host
         pending, self._pending = self._pending, []
-        for status in pending:
-            host.report(status)
+        for status, key in pending:
+            host.report(status, key)
+        rec = self.store.record()
+        if rec is not None and rec.state != R.STATE_UNSPECIFIED:
+            self._report(rec, rec.reason, rec.reason_code)
+        try:
+            keys.load_trusted(self.config.trusted_keys_dir)
+        except keys.KeyFileError as exc:
+            self._reject_status("", "trusted_keys", f"{exc}; every update is refused until fixed")
 
     async def resume(self) -> None:
-        """Once serving: continue an interrupted update."""
+        """Once serving: continue an interrupted update, or finish the cleanup of an ended one
+        (a crash may have come between its record and its cleanup)."""
         rec = self.store.record()
-        if rec is not None and rec.state not in FINAL and rec.state != R.STATE_UNSPECIFIED:
+        if rec is not None and rec.state in FINAL:
+            self._complete(rec)
+            assert self.host is not None
+            self.host.remove_unused_caches()
+        elif rec is not None and rec.state != R.STATE_UNSPECIFIED:
             log.info(
                 "update %s: resuming in state %s",
                 self._manifest(rec).update_id,
@@ -186,22 +219,73 @@ class Updater:
             )
         try:
             trusted = keys.load_trusted(self.config.trusted_keys_dir)
+        except keys.KeyFileError as exc:  # the device's configuration, not the update
+            return self._reject_status("", "trusted_keys", str(exc))
+        try:
             m = manifest.verify(signed, trusted)
         except manifest.UpdateRejected as exc:
             return self._reject_status("", exc.code, exc.message)
-        except AgentError as exc:
-            return self._reject_status("", "bad_signature", str(exc))
         inst = self.installed()
         assert self.host is not None
         try:
             manifest.check(m, self.host.install_context(inst.current), time.time())
         except manifest.UpdateRejected as exc:
             return self._reject_status(m.update_id, exc.code, exc.message, m)
-        rec = R(signed=signed, state=R.RECEIVED, previous_model_dir=inst.current.model_dir)
+        rec = R(
+            signed=signed,
+            state=R.RECEIVED,
+            reason="manifest verified",
+            previous_model_dir=inst.current.model_dir,
+            from_version=inst.current.label or str(inst.current.version),
+        )
         self.store.save(rec)
-        status = self._report(rec, "manifest verified")
+        crash_point(UNREPORTED + "received")
+        status = self._report(rec, rec.reason)
         crash_point("received")
         self._start(rec)
+        return status
+
+    async def cancel(self, signed_bytes: bytes) -> fpb.UpdateStatus:
+        """The fleet's cancel command: a signed cancel of the update in progress (before its
+        new model loads). Returns the update's status once it has ended (rejected, code
+        `cancelled`); raises UpdateRejected when the cancel is refused."""
+        try:
+            trusted = keys.load_trusted(self.config.trusted_keys_dir)
+        except keys.KeyFileError as exc:
+            raise manifest.UpdateRejected("trusted_keys", str(exc)) from exc
+        cancel, kid = verify_cancel(signed_bytes, trusted, time.time())
+        rec = self.store.record()
+        task = self._task
+        if rec is None or rec.state in FINAL or task is None or task.done():
+            last = f"the last one, {self._manifest(rec).update_id}, " if rec is not None else ""
+            state = R.State.Name(rec.state).lower() if rec is not None else ""
+            raise manifest.UpdateRejected(
+                "not_in_progress",
+                f"update {cancel.update_id} is not in progress here"
+                + (f" ({last}is {state})" if last else " (no update ever ran)"),
+            )
+        m = self._manifest(rec)
+        if m.update_id != cancel.update_id:
+            raise manifest.UpdateRejected(
+                "not_in_progress",
+                f"update {cancel.update_id} is not in progress here ({m.update_id} is)",
+            )
+        if rec.state not in CANCELLABLE:
+            raise manifest.UpdateRejected(
+                "too_late",
+                f"update {m.update_id} is {R.State.Name(rec.state).lower()}: the new model is "
+                "loading or serving; it commits or rolls back by itself",
+            )
+        self._cancel = f"cancelled by the operator (key {kid})" + (
+            f": {cancel.reason}" if cancel.reason else ""
+        )
+        log.warning("update %s: %s", m.update_id, self._cancel)
+        self._stop.set()  # a download stops at its next read
+        if self._wake is not None:
+            self._wake.set()
+        await asyncio.wait({task}, timeout=HTTP_TIMEOUT_S + 10)
+        status = self.last_status()
+        assert status is not None
         return status
 
     def stop(self) -> None:
@@ -213,12 +297,16 @@ class Updater:
 
     def _start(self, rec: opb.UpdateRecord) -> None:
         self._stop.clear()
+        self._cancel = ""
+        self._wake = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run(rec))
 
     async def _run(self, rec: opb.UpdateRecord) -> None:
         m = self._manifest(rec)
         try:
             while rec.state not in FINAL:
+                if rec.state in CANCELLABLE:
+                    self._check_cancel()
                 step = self._steps().get(rec.state)
                 if step is None:
                     raise AgentError(f"unknown update state {rec.state}")
@@ -258,17 +346,38 @@ class Updater:
                 crash_point("mid-download")
             if limit.ready(force=have == m.payload_size):
                 self.store.save(rec)
-                self._report(rec, f"{have} of {m.payload_size} bytes")
+                self._report(rec, f"{have} of {m.payload_size} bytes", progress=True)
 
         while True:
             if time.time() >= m.expires_unix:
                 raise manifest.UpdateRejected("expired", "the manifest expired during download")
+            before = _size(part)
             try:
                 await asyncio.to_thread(self._fetch, m, part, progress)
                 break
             except DownloadFailed as exc:
-                log.warning("update %s: download: %s; retrying", m.update_id, exc)
-                await asyncio.sleep(self.config.retry_s)
+                self._check_cancel()
+                # an attempt that added bytes starts a new count: only a source that ends short
+                # (or fails) every time without progress is given up on
+                rec.failed_attempts = 1 if _size(part) > before else rec.failed_attempts + 1
+                self.store.save(rec)  # the count survives a restart
+                limit_n = self.config.max_download_attempts
+                if rec.failed_attempts >= limit_n:
+                    raise manifest.UpdateRejected(
+                        "payload",
+                        f"gave up after {rec.failed_attempts} download attempts in a row without "
+                        f"progress (updates.max_download_attempts = {limit_n}): {exc}",
+                    ) from exc
+                log.warning(
+                    "update %s: download attempt %d of %d failed: %s; retrying in %.0f s",
+                    m.update_id,
+                    rec.failed_attempts,
+                    limit_n,
+                    exc,
+                    self.config.retry_s,
+                )
+                await self._pause(self.config.retry_s)
+        self._check_cancel()  # a cancel stops the fetch early: the file is not whole
         digest = await asyncio.to_thread(sha256_file, part)
         if digest != m.payload_sha256:
             part.unlink(missing_ok=True)
@@ -320,6 +429,7 @@ class Updater:
             await self.host.activate(new, canary)
         except Exception as exc:  # the serving model is untouched
             self._finish(rec, R.ROLLED_BACK, f"the new model failed to activate: {exc}")
+            self.host.remove_unused_caches()  # what loading the failed model prepared
             return
         inst = self.installed()
         self.store.switch(Installed(new, inst.current, inst.finished))
@@ -361,12 +471,24 @@ class Updater:
         self.host.remove_unused_caches()
         self._report(rec, reason)
 
+    def _check_cancel(self) -> None:
+        if self._cancel:
+            raise manifest.UpdateRejected("cancelled", self._cancel)
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep between download attempts; a cancel ends it at once."""
+        assert self._wake is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        self._check_cancel()
+
     # ------------------------------------------------------------------ records and reports
 
     def _enter(self, rec: opb.UpdateRecord, state: int, message: str) -> None:
         rec.state = state  # type: ignore[assignment]
         rec.reason = message
         self.store.save(rec)
+        crash_point(UNREPORTED + R.State.Name(state).lower())
         self._report(rec, message)
         crash_point(R.State.Name(state).lower())
 
@@ -375,54 +497,87 @@ class Updater:
     ) -> None:
         rec.state = state  # type: ignore[assignment]
         rec.reason = message
+        rec.reason_code = code
         self.store.save(rec)
+        crash_point(UNREPORTED + R.State.Name(state).lower())
         if state in (R.REJECTED, R.ROLLED_BACK):
-            m = self._manifest(rec)
-            inst = self.installed()
-            if m.update_id not in inst.finished:
-                self.store.switch(dataclasses.replace(inst, finished=(*inst.finished, m.update_id)))
-            self.store.payload_path(m.update_id).unlink(missing_ok=True)
-            serving = {Path(inst.current.model_dir), Path(rec.previous_model_dir)}
-            if (
-                rec.staged_model_dir
-                and state == R.REJECTED
-                and Path(rec.staged_model_dir) not in serving
-            ):
-                shutil.rmtree(rec.staged_model_dir, ignore_errors=True)
+            self._complete(rec)
         if report:
             self._report(rec, message, code)
         (log.info if state == R.COMMITTED else log.warning)(
             "update %s: %s: %s", self._manifest(rec).update_id, R.State.Name(state), message
         )
 
+    def _complete(self, rec: opb.UpdateRecord) -> None:
+        """What follows an ended record, idempotent (run again at the next start): the id is
+        finished (replay protection), the payload and the model directories nothing names any
+        more are removed."""
+        m = self._manifest(rec)
+        inst = self.installed()
+        if rec.state in (R.REJECTED, R.ROLLED_BACK) and m.update_id not in inst.finished:
+            self.store.switch(dataclasses.replace(inst, finished=(*inst.finished, m.update_id)))
+        self.store.payload_path(m.update_id).unlink(missing_ok=True)
+        if rec.state == R.COMMITTED:
+            keep = [Path(inst.current.model_dir)]
+            if inst.last_good is not None:
+                keep.append(Path(inst.last_good.model_dir))
+            self.store.remove_unused(keep)
+        else:
+            self._remove_built(rec)
+
+    def _remove_built(self, rec: opb.UpdateRecord) -> None:
+        """Delete the model directory this update built (and a partial `.staging` one) once
+        nothing names it: not the serving model, the last known good or the previous one."""
+        if not rec.staged_model_dir:
+            return
+        built = Path(rec.staged_model_dir)
+        if built.parent != self.store.models:  # not a directory the updater made
+            return
+        inst = self.installed()
+        keep = {inst.current.model_dir, rec.previous_model_dir}
+        if inst.last_good is not None:
+            keep.add(inst.last_good.model_dir)
+        if any(Path(k).resolve() == built.resolve() for k in keep if k):
+            return
+        for d in (built, built.with_name(built.name + ".staging")):
+            if d.exists():
+                shutil.rmtree(d, ignore_errors=True)
+                log.info("model store: removed %s (the update ended)", d.name)
+
     def _status(self, rec: opb.UpdateRecord, message: str = "", code: str = "") -> fpb.UpdateStatus:
         m = self._manifest(rec)
+        current = self.installed().current
         return fpb.UpdateStatus(
             update_id=m.update_id,
             phase=fpb.UpdateStatus.Phase.Value(R.State.Name(rec.state)),
             message=message or rec.reason,
-            reason_code=code,
-            from_version=str(self.installed().current.label or self.installed().current.version),
+            reason_code=code or rec.reason_code,
+            from_version=rec.from_version or str(current.label or current.version),
             to_version=m.version_label or str(m.version),
             timestamp_unix=time.time(),
             downloaded_bytes=rec.downloaded,
             total_bytes=m.payload_size,
         )
 
-    def _report(self, rec: opb.UpdateRecord, message: str, code: str = "") -> fpb.UpdateStatus:
+    def _report(
+        self, rec: opb.UpdateRecord, message: str, code: str = "", progress: bool = False
+    ) -> fpb.UpdateStatus:
+        """Report the record's state; a transition (not `progress`) carries the key that makes
+        its report recorded once however often it is sent."""
         status = self._status(rec, message, code)
-        self._send(status)
+        key = "" if progress else f"update/{status.update_id}/{R.State.Name(rec.state)}"
+        self._send(status, key)
         return status
 
     def _report_text(self, phase: fpb.UpdateStatus.Phase, message: str) -> None:
         self._send(fpb.UpdateStatus(phase=phase, message=message, timestamp_unix=time.time()))
 
-    def _send(self, status: fpb.UpdateStatus) -> None:
+    def _send(self, status: fpb.UpdateStatus, key: str = "") -> None:
         """To the host, or kept until `attach` (reports made by `boot`)."""
         if self.host is None:
-            self._pending.append(status)
+            self._pending.append((status, key))
         else:
-            self.host.report(status)
+            self.host.report(status, key)
 
     def _reject_status(
         self, update_id: str, code: str, message: str, m: opb.Manifest | None = None
@@ -463,6 +618,13 @@ def _crash_when_written(staging: Path) -> None:
             time.sleep(0.001)
 
     threading.Thread(target=watch, daemon=True).start()
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _fsync_dir(path: Path) -> None:
