@@ -361,6 +361,9 @@ def inspect(
             "sha256_ok": actual_sha == manifest.payload_sha256,
         },
     }
+    if manifest.HasField("canary"):  # the fields manifest_to_dict predates
+        doc["manifest"]["canary"]["max_mean_nll"] = manifest.canary.max_mean_nll
+        doc["manifest"]["canary"]["base_mean_nll"] = manifest.canary.base_mean_nll
     if trusted is not None:
         try:
             verify(signed, trusted)
@@ -394,7 +397,16 @@ def describe(doc: Mapping[str, Any]) -> str:
     ]
     c = m["canary"]
     if c is not None:
-        lines.append(f"canary      {c['prompt']!r} -> {c['expected_tokens']}")
+        prompt = c["prompt"] if len(c["prompt"]) <= 60 else c["prompt"][:57] + "..."
+        if c.get("max_mean_nll"):
+            lines.append(
+                f"canary      mean NLL <= {c['max_mean_nll']:.2f} nats/token (base model "
+                f"{c['base_mean_nll']:.2f}) on {prompt!r}"
+            )
+        if c["expected_tokens"] or not c.get("max_mean_nll"):
+            lines.append(f"canary      {prompt!r} -> {c['expected_tokens']}")
+    else:
+        lines.append("canary      none")
     lines.append("files")
     for f in m["files"]:
         base = f"from {f['base_sha256'][:12]}…" if f["base_sha256"] else "new"

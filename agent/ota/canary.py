@@ -1,21 +1,42 @@
 """The canary a new model must pass before it serves: it loads (the caller built the engine),
 its first logits are finite, greedy tokens are in the vocabulary, and it matches the manifest's
-expectation when there is one (the expected greedy tokens, or a checksum of the rounded first
-logits)."""
+expectation when there is one: the expected greedy tokens, a checksum of the rounded first
+logits, or a bound on its mean negative log-likelihood over the canary prompt.
+
+The bound is what `update make` records by default (`reference_canary`): the prompt is a fixed
+seed followed by the *base* model's own greedy continuation, and the new model must predict
+that text about as well as the base model does: at most halfway from the base model's score to
+a uniform guess over the vocabulary (ln V). A fine-tune stays near the base model's score; a
+model whose weights are garbage but finite scores near or beyond ln V (measured on the demo
+model: base 0.9-1.7 nats/token, ±1 on half of every int8 weight the same, random int8 weights
+25-28, ln V 8.3; docs/UPDATES.md).
+"""
 
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Callable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from agent.engine.engine import Engine
 from agent.engine.sampler import SamplingParams
 from agent.engine.types import GenerateRequest
+from agent.errors import AgentError
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 DEFAULT_PROMPT = "def main():"
 DEFAULT_TOKENS = 4
+REFERENCE_TOKENS = 48  # greedy tokens of the base model after the seed
+NLL_MARGIN = 0.5  # the bound: this share of the way from the base model's score to ln V
+
+Step = Callable[[int, int], npt.NDArray[np.float32]]  # (token, position) -> next logits
+
+
+class CanaryError(AgentError):
+    """A canary cannot be made from this base model (the message says what to do instead)."""
 
 
 def logits_digest(logits: np.ndarray, decimals: int) -> str:
@@ -28,6 +49,56 @@ def expected_tokens(engine: Engine, prompt: str, n: int) -> list[int]:
     """The greedy tokens the canary compares with (`update make --canary-tokens` uses this)."""
     request = GenerateRequest(prompt, max_tokens=n, sampling=SamplingParams(0.0), stop=())
     return list(engine.complete(request).token_ids)
+
+
+def score(step: Step, ids: Sequence[int], vocab: int) -> float:
+    """Mean negative log-likelihood (nats per token) of ids[1:], each given the ids before it,
+    with `step` running one decode step; inf if any logits are not finite."""
+    if len(ids) < 2:
+        raise ValueError("scoring needs at least two tokens")
+    total = 0.0
+    for pos in range(len(ids) - 1):
+        logits = np.asarray(step(ids[pos], pos))[:vocab].astype(np.float64)
+        if not np.isfinite(logits).all():
+            return math.inf
+        top = float(logits.max())
+        total += top + math.log(float(np.exp(logits - top).sum())) - float(logits[ids[pos + 1]])
+    return total / (len(ids) - 1)
+
+
+def mean_nll(engine: Engine, text: str) -> float:
+    """`score` of `text` as `engine` encodes a prompt, run on its runner directly (call before
+    the engine serves, or on an engine nothing else uses)."""
+    runner, vocab = engine.loaded.runner, engine.tokenizer.vocab_size
+    ids = engine.encode_prompt(GenerateRequest(text))
+    kv = runner.new_kv()
+    runner.reserve(kv, len(ids), 0)
+    return score(lambda token, pos: runner.decode(kv, token, pos), ids, vocab)
+
+
+def nll_bound(base_nll: float, vocab: int) -> float:
+    """The most a new model may score on the base model's text."""
+    return base_nll + NLL_MARGIN * (math.log(vocab) - base_nll)
+
+
+def reference_canary(
+    base: Engine, seed: str = DEFAULT_PROMPT, n: int = REFERENCE_TOKENS
+) -> opb.Canary:
+    """The default canary: `seed` and the base model's greedy continuation as the prompt, and
+    the bound on the new model's mean NLL over it. CanaryError if the base model does not know
+    its own text well enough for the bound to tell a broken model from it."""
+    request = GenerateRequest(seed, max_tokens=n, sampling=SamplingParams(0.0), stop=())
+    text = seed + base.complete(request).text
+    base_nll = mean_nll(base, text)
+    vocab = base.tokenizer.vocab_size
+    uniform = math.log(vocab)
+    if not base_nll < NLL_MARGIN * uniform:
+        raise CanaryError(
+            f"the base model scores {base_nll:.2f} nats/token on its own greedy text (a uniform "
+            f"guess over {vocab} tokens scores {uniform:.2f}): a canary made from it cannot tell "
+            "a broken model from it; give --canary-prompt, or --no-canary"
+        )
+    return opb.Canary(prompt=text, max_mean_nll=nll_bound(base_nll, vocab), base_mean_nll=base_nll)
 
 
 def check(engine: Engine, canary: opb.Canary | None) -> str | None:
@@ -49,9 +120,29 @@ def check(engine: Engine, canary: opb.Canary | None) -> str | None:
         if digest != canary.logits_sha256:
             want_digest = canary.logits_sha256[:12]
             return f"first-step logits checksum {digest[:12]}… != expected {want_digest}…"
+    if canary is not None and canary.max_mean_nll != 0.0:
+        problem = _check_nll(engine, canary)
+        if problem is not None:
+            return problem
     tokens = expected_tokens(engine, prompt, max(len(want), DEFAULT_TOKENS))
     if any(not 0 <= t < vocab for t in tokens):
         return f"generated tokens outside the vocabulary of {vocab}: {tokens}"
     if want and tokens[: len(want)] != want:
         return f"greedy tokens {tokens[: len(want)]} != expected {want}"
     return None
+
+
+def _check_nll(engine: Engine, canary: opb.Canary) -> str | None:
+    bound = canary.max_mean_nll
+    if not (math.isfinite(bound) and bound > 0):
+        return f"the canary's max_mean_nll {bound!r} is not a positive number"
+    got = mean_nll(engine, canary.prompt)
+    if got <= bound:
+        return None
+    if not math.isfinite(got):
+        return "non-finite logits on the canary prompt"
+    return (
+        f"mean NLL {got:.2f} nats/token on the canary prompt, above its bound {bound:.2f} "
+        f"(the base model: {canary.base_mean_nll:.2f}; a uniform guess: "
+        f"{math.log(engine.tokenizer.vocab_size):.2f})"
+    )

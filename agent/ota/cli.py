@@ -89,23 +89,44 @@ def add_keys_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
 # ----------------------------------------------------------------------------- update
 
 
-def _canary(args: argparse.Namespace, new_dir: Path) -> opb.Canary:
-    """The manifest's canary: the new model's greedy tokens for the prompt, computed here."""
+def _canary(args: argparse.Namespace, base_dir: Path, new_dir: Path) -> opb.Canary:
+    """The manifest's canary, computed here by running the models in-process: with
+    --canary-prompt, the new model's greedy tokens for it; by default the base model's greedy
+    text and the bound on the new model's NLL over it (`canary.reference_canary`), which the
+    new model must pass here too. The engine is built here, in the CLI: ota only gets models
+    to check (docs/UPDATES.md, the canary)."""
     from agent.engine.engine import Engine
     from agent.modeldir import load_model_dir
     from agent.ota import canary
-    from agent.ota.bundle import target_variant
+    from agent.ota.bundle import BundleError, target_variant
     from agent.profile import resolve_profile
 
     profile, _ = resolve_profile(args.canary_profile or getattr(args, "profile", None))
     quant = target_variant(load_model_dir(new_dir), args.quantization).quantization
-    engine = Engine(profile, new_dir, quantization=quant)
+    if args.canary_prompt:
+        engine = Engine(profile, new_dir, quantization=quant)
+        try:
+            n = args.canary_tokens or canary.DEFAULT_TOKENS
+            tokens = canary.expected_tokens(engine, args.canary_prompt, n)
+        finally:
+            engine.close()
+        return opb.Canary(prompt=args.canary_prompt, expected_tokens=tokens)
+    base = Engine(profile, base_dir, quantization=quant)
     try:
-        n = args.canary_tokens or canary.DEFAULT_TOKENS
-        tokens = canary.expected_tokens(engine, args.canary_prompt, n)
+        made = canary.reference_canary(base)
     finally:
-        engine.close()
-    return opb.Canary(prompt=args.canary_prompt, expected_tokens=tokens)
+        base.close()
+    new = Engine(profile, new_dir, quantization=quant)
+    try:
+        problem = canary.check(new, made)
+    finally:
+        new.close()
+    if problem is not None:
+        raise BundleError(
+            f"{new_dir} fails the canary the devices would run: {problem}; "
+            "--no-canary makes the bundle without one"
+        )
+    return made
 
 
 def cmd_update_make(args: argparse.Namespace) -> int:
@@ -120,14 +141,14 @@ def cmd_update_make(args: argparse.Namespace) -> int:
         return _fail(f"--version {args.version}: versions start at 1")
     if args.canary_tokens is not None and not args.canary_prompt:
         return _fail("--canary-tokens needs --canary-prompt")
+    if args.no_canary and args.canary_prompt:
+        return _fail("--no-canary and --canary-prompt: choose one")
     if args.canary_tokens is not None and not 1 <= args.canary_tokens <= 64:
         return _fail(f"--canary-tokens {args.canary_tokens}: allowed 1..64")
     base_dir, new_dir, out = Path(args.base_dir), Path(args.new_dir), Path(args.output)
     try:
         keys = [load_private(Path(k)) for k in args.key]
-        canary = None
-        if args.canary_prompt:
-            canary = _canary(args, new_dir)
+        canary = None if args.no_canary else _canary(args, base_dir, new_dir)
         make_bundle(
             base_dir,
             new_dir,
@@ -198,16 +219,27 @@ def add_update_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     p.add_argument("--min-agent-version", help="oldest agent version that may install it")
     p.add_argument("--quantization", help="the variant that will serve (default: int8)")
     p.add_argument("--update-id", help="unique id of this update (default: random)")
-    p.add_argument("--canary-prompt", help="check the new model on this prompt before it serves")
+    p.add_argument(
+        "--canary-prompt",
+        help="instead of the default canary, expect the new model's first greedy tokens for "
+        "this prompt (computed here by running NEW_DIR)",
+    )
     p.add_argument(
         "--canary-tokens",
         type=int,
         metavar="N",
-        help="expect its first N greedy tokens, computed here by running NEW_DIR (default: 4)",
+        help="with --canary-prompt: how many greedy tokens to expect (default: 4)",
     )
     p.add_argument(
         "--canary-profile",
-        help="profile to run the canary with here (default: the global --profile, else detect)",
+        help="profile to run the models with here (default: the global --profile, else detect)",
+    )
+    p.add_argument(
+        "--no-canary",
+        action="store_true",
+        help="no canary in the manifest (default: the base model's greedy text for a fixed "
+        "seed, which the new model must predict about as well as the base model, checked here "
+        "and on every device before it serves)",
     )
     p.add_argument("--json", action="store_true", help="print the bundle as `inspect --json`")
     p.set_defaults(func=cmd_update_make)
