@@ -47,14 +47,25 @@ class InvalidRequest(AgentError):
 
 
 class ContextOverflow(InvalidRequest):
-    """A prompt (plus what it asks to generate) does not fit the model's context."""
+    """A prompt (plus the `max_tokens` it asks for) does not fit the model's context."""
 
-    def __init__(self, prompt_tokens: int, context_length: int) -> None:
+    def __init__(
+        self, prompt_tokens: int, context_length: int, max_tokens: int | None = None
+    ) -> None:
         self.prompt_tokens = prompt_tokens
         self.context_length = context_length
-        super().__init__(
-            f"prompt is {prompt_tokens} tokens but the model's context holds {context_length}"
-        )
+        self.max_tokens = max_tokens
+        if max_tokens is None or prompt_tokens >= context_length:  # the prompt alone overflows
+            text = (
+                f"prompt is {prompt_tokens} tokens but the model's context holds {context_length}"
+            )
+        else:
+            text = (
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                f"{prompt_tokens + max_tokens} tokens is beyond the model's context of "
+                f"{context_length}"
+            )
+        super().__init__(text)
 
 
 class RuntimeFailure(AgentError):
@@ -104,6 +115,10 @@ class SessionLost(AgentError):
         self.why = why
         super().__init__(f"session {session}: {why}; the session is lost")
 
+
+# The trailing-metadata key under which the daemon names the error type of a failed call
+# (e.g. "ContextOverflow"), for clients to tell apart errors that share a status code.
+ERROR_TRAILER = "edge-agent-error"
 
 # The one table from error type to gRPC status code name (looked up along the MRO, so a
 # subclass maps like its parent unless listed itself). Anything else is INTERNAL.

@@ -130,7 +130,11 @@ def test_generation_stops_at_the_context_end(engine: Engine) -> None:
     while len(engine.tokenizer.encode(prompt + "x = 1\n")) < ctx - 10:
         prompt += "x = 1\n"
     n = len(engine.encode_prompt(GenerateRequest(prompt=prompt)))
-    c = engine.complete(req(prompt=prompt, max_tokens=10_000, sampling=SamplingParams(seed=5)))
+    # an explicit max_tokens beyond the context is refused; the profile's default runs to its end
+    with pytest.raises(ContextOverflow, match=f"max_tokens \\(10000\\) = {n + 10_000} tokens"):
+        engine.complete(req(prompt=prompt, max_tokens=10_000))
+    assert engine.profile.generation.max_tokens > ctx
+    c = engine.complete(req(prompt=prompt, max_tokens=None, sampling=SamplingParams(seed=5)))
     assert c.stats.prompt_tokens == n
     # the last cache row holds the input of the last decode step, whose output (never fed
     # back) is the last generated token: n + generated == ctx + 1

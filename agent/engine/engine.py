@@ -345,6 +345,8 @@ class Engine:
         deadline = None if timeout is None else time.monotonic() + timeout
         if request.session_id is None:
             ids = self.encode_prompt(request)
+            if request.max_tokens is not None and len(ids) + max_tokens > self.info.context_length:
+                raise ContextOverflow(len(ids), self.info.context_length, max_tokens)
             return _Prepared(handle, ids, max_tokens, sampling, request.stop, deadline)
         return self._prepare_turn(request, handle, max_tokens, sampling, deadline)
 
@@ -362,7 +364,7 @@ class Engine:
             if session.busy:
                 raise SessionBusy(f"session {session.id} already has a request running")
             new = self._turn_ids(request, first=not session.tokens)
-            dropped = self._fit_context(session, new, max_tokens)
+            dropped = self._fit_context(session, new, max_tokens, request.max_tokens)
             self._store.prepare(session)
             if session.tokens:
                 self._store.note_resume(dropped == 0)
@@ -372,25 +374,29 @@ class Engine:
         p.truncated = dropped
         return p
 
-    def _fit_context(self, s: Session, new: list[int], max_tokens: int) -> int:
+    def _fit_context(
+        self, s: Session, new: list[int], max_tokens: int, explicit: int | None = None
+    ) -> int:
         """Make room for a turn under the session's policy; returns the tokens dropped.
 
         `error`: a turn that does not fit is refused with both numbers. `truncate`: the first
         turn (the system prompt) and the most recent turns that fit are kept, room is left for
         the answer (up to a quarter of the context), and what follows the first turn is
-        prefilled again at its new positions."""
+        prefilled again at its new positions. An `explicit` max_tokens (the request's own) must
+        fit beside the turn as it does beside a plain prompt; checked before anything changes."""
         ctx = self.info.context_length
         total = len(s.tokens) + len(new)
-        if total < ctx:
+        room = 1 if explicit is None else explicit  # rows the answer needs past the prompt
+        if total + room <= ctx:
             return 0
         if s.policy != "truncate":
-            raise ContextOverflow(total, ctx)
-        reserve = min(max_tokens, ctx // 4)
+            raise ContextOverflow(total, ctx, explicit)
+        reserve = min(max_tokens, ctx // 4) if explicit is None else explicit
         head = s.turns[1] if len(s.turns) > 1 else len(s.tokens)  # the end of the first turn
         fits = [t for t in s.turns[1:] if head + len(s.tokens) - t + len(new) + reserve <= ctx]
         keep_from = fits[0] if fits else len(s.tokens)
-        if head + len(s.tokens) - keep_from + len(new) >= ctx:
-            raise ContextOverflow(head + len(new), ctx)
+        if head + len(s.tokens) - keep_from + len(new) + room > ctx:
+            raise ContextOverflow(head + len(new), ctx, explicit)
         dropped = keep_from - head
         if dropped > 0:
             kept = s.tokens[keep_from:]
