@@ -9,12 +9,15 @@ import argparse
 import json
 import math
 import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import sentencepiece as spm
+from google.protobuf.json_format import MessageToDict
 
 from agent.modeldir import demo_model_dir, load_model_dir
 from agent.ota import canary, keys
@@ -24,7 +27,7 @@ from agent.ota.manifest import verify
 from agent.profile import resolve_profile
 from tests.broker import Mosquitto
 from tests.test_fleet import PREFIX, Observer, options
-from tests.test_updates import Models, _copy_variant, _fine_tune, start
+from tests.test_updates import Models, _copy_variant, _fine_tune, start, statuses
 
 PROFILE = "generic-aarch64" if platform.machine() == "aarch64" else "generic-x86_64"
 
@@ -247,14 +250,38 @@ def test_a_device_rolls_back_garbage_with_the_default_canary_and_commits_a_fine_
         assert "canary" in final.message and "mean NLL" in final.message, final.message
         assert d.client().info()["version"] == "1.0.0"
 
-        time.sleep(0.5)
-        tuned = tmp_path / "tuned.tar"
-        result = publish_update(
-            options(broker), PREFIX, tuned, ["dev-canary-default"], timeout_s=120
+        # the fine-tune through the operator's command line, as JSON lines: every status the
+        # device published on update/status (seen by an independent subscriber) once, none twice
+        since = len(statuses(watch, "dev-canary-default"))
+        config = tmp_path / "operator.toml"
+        config.write_text("")
+        argv = ["fleet", "publish-update", str(tmp_path / "tuned.tar"), "--device"]
+        argv += ["dev-canary-default", "--broker", broker.url, "--config", str(config)]
+        done = subprocess.run(
+            [sys.executable, "-m", "agent", *argv, "--json", "--timeout", "120"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            cwd=Path(__file__).resolve().parent.parent,
         )
-        final = result["dev-canary-default"].status
-        assert final is not None and final.phase == final.COMMITTED, final
+        assert done.returncode == 0, done.stderr
+        *printed, summary = [json.loads(line) for line in done.stdout.strip().split("\n")]
+        assert summary["summary"]["committed"] == ["dev-canary-default"]
         assert d.client().info()["version"] == "1.1.0"
+        deadline = time.monotonic() + 10
+        while not any(s.phase == s.COMMITTED for s in statuses(watch, "dev-canary-default")):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        reported = statuses(watch, "dev-canary-default")[since:]
+        distinct = list({s.SerializeToString(): s for s in reported}.values())
+        want = [MessageToDict(s, preserving_proto_field_name=True) for s in distinct]
+        got = [
+            {k: v for k, v in doc.items() if k != "device" and v not in ("", "0", 0)}
+            for doc in printed
+        ]
+        assert got == want
+        names = [doc["phase"] for doc in printed]
+        assert names.count("RECEIVED") == 1 and names[-1] == "COMMITTED", names
     finally:
         assert d.stop() == 0, d.read_log()
         watch.close()
