@@ -28,12 +28,11 @@ from agent.ota.bundle import (
     MANIFEST_MEMBER,
     PAYLOAD_MEMBER,
     BundleError,
-    describe,
-    inspect,
     make_bundle,
     read_bundle,
 )
 from agent.ota.cli import add_keys_parser, add_update_parser, parse_duration
+from agent.ota.inspection import describe, inspect
 from agent.ota.manifest import DELTA_FORMAT, InstallContext, check, verify
 
 FILES = ("model_int8.tflite", "tokenizer.model")

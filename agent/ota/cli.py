@@ -130,7 +130,8 @@ def _canary(args: argparse.Namespace, base_dir: Path, new_dir: Path) -> opb.Cana
 
 
 def cmd_update_make(args: argparse.Namespace) -> int:
-    from agent.ota.bundle import describe, inspect, make_bundle
+    from agent.ota.bundle import make_bundle
+    from agent.ota.inspection import describe, inspect
     from agent.ota.keys import load_private
 
     try:
@@ -172,7 +173,7 @@ def cmd_update_make(args: argparse.Namespace) -> int:
 
 
 def cmd_update_inspect(args: argparse.Namespace) -> int:
-    from agent.ota.bundle import describe, inspect
+    from agent.ota.inspection import describe, inspect
     from agent.ota.keys import load_trusted
 
     try:
