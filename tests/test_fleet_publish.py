@@ -271,3 +271,27 @@ def test_json_is_one_object_per_status(broker: Mosquitto, config: Path, tmp_path
             "last": {"dev-jgood": "COMMITTED", "dev-jold": "REJECTED"},
         }
     }
+
+
+def test_send_update_shows_the_reason_code(broker: Mosquitto, config: Path, tmp_path: Path) -> None:
+    """`fleet send DEVICE update --body-file manifest.pb` (the manifest from a bundle) prints
+    the refusal's reason code as publish-update does."""
+    import tarfile
+
+    bundle = _bundle(tmp_path / "ok.tar")
+    with tarfile.open(bundle) as tar:
+        member = tar.extractfile("manifest.pb")
+        assert member is not None
+        (tmp_path / "manifest.pb").write_bytes(member.read())
+    old = UpdateDevice(broker, "dev-send-old", *_rejecting())
+    try:
+        done = edge_agent(
+            "fleet", "send", "dev-send-old", "update", "--body-file", str(tmp_path / "manifest.pb"),
+            "--broker", broker.url, "--config", str(config), "--timeout", "10",
+        )  # fmt: skip
+    finally:
+        old.close()
+    assert done.returncode == 1, done.stderr  # the device answered INVALID_ARGUMENT
+    lines = done.stdout.strip().split("\n")
+    assert lines[0].startswith("dev-send-old update: INVALID_ARGUMENT")
+    assert lines[1] == "  update u-publish-1: REJECTED (rollback) 1.0.0 -> 1.0.1"
