@@ -189,6 +189,21 @@ def phases(watch: Observer, device: str) -> list[str]:
     return [n for i, n in enumerate(names) if i == 0 or names[i - 1] != n]  # progress repeats
 
 
+def assert_rolled_back_files_gone(state: Path, models: Models, caches: bool = True) -> None:
+    """After a rollback to the shipped model: no model directory the update built is left in
+    the store, and the weight cache holds only the shipped model's prepared files."""
+    store = state / "models"
+    assert not store.exists() or sorted(p.name for p in store.iterdir()) == []
+    if not caches:
+        return
+    cache = state / "cache" / "xnnpack"
+    base_only = {load_model_dir(models.base).variant("int8").sha256}
+    deadline = time.monotonic() + 10  # the caches go once the failed model is closed
+    while {f.name.split(".", 1)[0] for f in cache.iterdir()} != base_only:
+        assert time.monotonic() < deadline, sorted(f.name for f in cache.iterdir())
+        time.sleep(0.05)
+
+
 # ----------------------------------------------------------------------------- happy paths
 
 
@@ -427,6 +442,7 @@ def test_a_model_that_fails_its_canary_never_serves(models, trusted, broker, tmp
         final = wait_final(watch, "dev-canary")
         assert final.phase == Phase.ROLLED_BACK and "canary" in final.message, final
         assert d.client().info()["version"] == "1.0.0"
+        assert_rolled_back_files_gone(tmp_path / "state", models)
         assert d.client().generate(_req()).finish_reason in ("length", "stop")
     finally:
         assert d.stop() == 0, d.read_log()
@@ -452,6 +468,8 @@ def test_a_failing_health_check_in_the_trial_rolls_back(models, trusted, broker,
         final = wait_final(watch, "dev-trial")
         assert final.phase == Phase.ROLLED_BACK and "health check" in final.message, final
         assert d.client().info()["version"] == "1.0.0"
+        # (the stalled engine still holds its prepared files: only the directory is checked)
+        assert_rolled_back_files_gone(tmp_path / "state", models, caches=False)
         assert d.client().generate(_req()).finish_reason in ("length", "stop")
     finally:
         d.stop()
@@ -485,6 +503,8 @@ def test_sigkill_in_each_state_serves_old_or_new_whole(state, models, trusted, b
         assert final.phase == want, (final, phases(watch, device))
         assert d.client().info()["version"] == ("1.1.0" if want == Phase.COMMITTED else "1.0.0")
         assert d.client().generate(_req()).finish_reason in ("length", "stop")
+        if want == Phase.ROLLED_BACK:  # "the agent restarted while activating"
+            assert_rolled_back_files_gone(tmp_path / "state", models)
     finally:
         d.stop()
         http.close()
@@ -537,6 +557,7 @@ def test_a_crash_looping_trial_rolls_back(models, trusted, broker, tmp_path):
         final = wait_final(watch, "dev-loop")
         assert final.phase == Phase.ROLLED_BACK and "crash loop" in final.message, final
         assert d.client().info()["version"] == "1.0.0"
+        assert_rolled_back_files_gone(tmp_path / "state", models)
     finally:
         d.stop()
         http.close()
