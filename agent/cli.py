@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -14,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agent import __version__
+from agent import __version__, exitcodes
 from agent.errors import AgentError
 
 if TYPE_CHECKING:
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agent.cli")
 
-EXIT_USAGE = 2
 PROFILE_ENV = "EDGE_AGENT_PROFILE"
 
 
@@ -62,9 +62,13 @@ def _profile_name(args: argparse.Namespace) -> str | None:
 
 
 def cmd_profile_list(args: argparse.Namespace) -> int:
-    from agent.profile import list_profiles
+    from agent.profile import as_json, list_profiles
 
-    for p in list_profiles():
+    profiles = list_profiles()
+    if args.json:
+        print(json.dumps({"profiles": [as_json(p) for p in profiles]}, indent=2))
+        return 0
+    for p in profiles:
         r = p.runtime
         print(
             f"{p.name:24} {r.max_num_bytes / (1 << 20):8.0f} MiB  {r.num_threads} thr  "
@@ -74,10 +78,17 @@ def cmd_profile_list(args: argparse.Namespace) -> int:
 
 
 def cmd_profile_show(args: argparse.Namespace) -> int:
-    from agent.profile import describe, resolve_profile
+    """The profile (NAME|PATH, --profile, $EDGE_AGENT_PROFILE, else detected) and why."""
+    from agent.profile import as_json, describe, resolve_profile
 
-    profile, _ = resolve_profile(args.name or args.profile, Path("/"))
+    profile, reasons = resolve_profile(args.name or _profile_name(args), Path(args.root))
+    if args.json:
+        print(json.dumps({**as_json(profile), "reasons": list(reasons)}, indent=2))
+        return 0
     print(describe(profile))
+    print("why")
+    for r in reasons:
+        print(f"  - {r}")
     return 0
 
 
@@ -154,10 +165,10 @@ def cmd_model_import(args: argparse.Namespace) -> int:
 def _open_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from agent.engine.engine import Engine
     from agent.modeldir import demo_model_dir
+    from agent.profile import log_reasons
 
     profile, reasons = _resolve(args)
-    for r in reasons:
-        log.info("profile %s: %s", profile.name, r)
+    log_reasons(profile.name, reasons, detected=_profile_name(args) is None)
     model_dir = Path(args.model) if args.model else (profile.model.path or demo_model_dir())
     return Engine(profile, model_dir, quantization=args.quantization)
 
@@ -191,8 +202,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 last = event
     except KeyboardInterrupt:
         cancel.set()
-        print("\n[cancelled]", file=sys.stderr)
-        return 130
+        if args.json:
+            partial = {"text": "".join(text), "tokens": tokens, "finish_reason": "cancelled"}
+            print(json.dumps({**partial, "error": "interrupted"}, ensure_ascii=False))
+        else:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        print(f"edge-agent: interrupted after {len(tokens)} tokens", file=sys.stderr)
+        return exitcodes.INTERRUPTED
     stats = last.stats
     assert stats is not None
     if args.json:
@@ -222,7 +239,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     engine.close()
-    return 0
+    if last.finish_reason in ("stop", "length"):
+        return exitcodes.OK
+    print(f"edge-agent: the request failed: {last.error or last.finish_reason}", file=sys.stderr)
+    return exitcodes.FAILED
 
 
 # ----------------------------------------------------------------------------- daemon
@@ -264,9 +284,14 @@ def _client(args: argparse.Namespace, owned: bool = False):  # type: ignore[no-u
 
 
 def _generate_via_socket(args: argparse.Namespace, chat: list[tuple[str, str]] | None) -> int:
+    """One generation through the daemon; the exit code says how it ended (agent.exitcodes).
+
+    Whatever arrived is printed however the stream ends: streamed text then a summary line
+    on stderr, or (--json) the object with an `error` line when it did not end by stop/length.
+    """
     import grpc
 
-    from agent.rpc.client import build_request, reply_json
+    from agent.rpc.client import Partial, build_request, failure_of, reply_json
 
     client = _client(args, owned=args.session is not None)
     request = build_request(
@@ -280,25 +305,47 @@ def _generate_via_socket(args: argparse.Namespace, chat: list[tuple[str, str]] |
         stop=args.stop,
         session=args.session,
     )
+    got = Partial()
+    started = time.monotonic()
+    error: str | None = None
+    rc = exitcodes.OK
     try:
-        reply = client.generate(request, echo=not args.json)
+        reply = client.generate(request, echo=not args.json, into=got)
     except grpc.RpcError as exc:
-        print(f"edge-agent: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return EXIT_USAGE
+        failure = failure_of(exc, client.target, started=got.last is not None)
+        rc, error = failure.exit_code, failure.message
+        reply = got.reply("error" if rc == exitcodes.FAILED else "cancelled")
+    except KeyboardInterrupt:
+        rc, error = exitcodes.INTERRUPTED, "interrupted; the daemon cancelled the request"
+        reply = got.reply("cancelled")
     finally:
         client.close()
+    if rc == exitcodes.DEADLINE or (error is None and reply.finish_reason == "cancelled"):
+        if args.timeout is not None and time.monotonic() - started >= args.timeout:
+            rc = exitcodes.DEADLINE
+            error = f"DEADLINE_EXCEEDED: the answer took longer than --timeout {args.timeout:g} s"
+        elif error is None:
+            rc, error = exitcodes.CANCELLED, "CANCELLED: the daemon cancelled the request"
+    elif error is None and reply.finish_reason not in ("stop", "length"):
+        rc, error = exitcodes.FAILED, f"the request failed: {reply.error or reply.finish_reason}"
+    if got.last is None and rc != exitcodes.INTERRUPTED and error is not None:
+        print(f"edge-agent: {error}", file=sys.stderr)  # refused before any output
+        return rc
     if args.json:
-        print(reply_json(reply))
+        print(reply_json(reply, error))
     else:
         s = reply.stats
-        print()
-        print(
-            f"[{s.get('generated_tokens', 0)} tokens, {reply.finish_reason}; ttft "
-            f"{float(s.get('ttft_ms', 0)):.1f} ms, decode {float(s.get('decode_tok_s', 0)):.0f} "
-            f"tok/s, {s.get('accelerator', '')}]",
-            file=sys.stderr,
+        speed = (
+            f"; ttft {float(s.get('ttft_ms', 0)):.1f} ms, decode "
+            f"{float(s.get('decode_tok_s', 0)):.0f} tok/s, {s.get('accelerator', '')}"
+            if s
+            else ""
         )
-    return 0 if reply.finish_reason != "error" else 1
+        print(flush=True)
+        print(f"[{len(reply.tokens)} tokens, {reply.finish_reason}{speed}]", file=sys.stderr)
+    if error is not None:
+        print(f"edge-agent: {error}", file=sys.stderr)
+    return rc
 
 
 def cmd_client_generate(args: argparse.Namespace) -> int:
@@ -323,21 +370,24 @@ def cmd_client_chat(args: argparse.Namespace) -> int:
 def _client_unary(args: argparse.Namespace, call: str) -> int:
     import grpc
 
+    from agent.rpc.client import failure_of
+
     client = _client(args)
     try:
         result = getattr(client, call)()
     except grpc.RpcError as exc:
-        print(f"edge-agent: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return EXIT_USAGE if call != "health" else 1
+        failure = failure_of(exc, client.target)
+        print(f"edge-agent: {failure.message}", file=sys.stderr)
+        return failure.exit_code
     finally:
         client.close()
     if args.json or isinstance(result, dict):
         print(json.dumps(result if isinstance(result, dict) else {"status": result}, indent=2))
     else:
         print(result)
-    if call == "health":
-        return 0 if result == "SERVING" else 1
-    return 0
+    if call == "health" and result != "SERVING":
+        return exitcodes.BUSY  # up, but not serving (loading, swapping, stopping)
+    return exitcodes.OK
 
 
 def _ago(seconds: float) -> str:
@@ -377,6 +427,8 @@ def session_table(sessions: Sequence[SessionEntry], now: float) -> str:
 def cmd_client_session(args: argparse.Namespace) -> int:
     import grpc
 
+    from agent.rpc.client import failure_of
+
     client = _client(args, owned=True)
     try:
         if args.action == "create":
@@ -397,8 +449,9 @@ def cmd_client_session(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps({"deleted": args.id}))
     except grpc.RpcError as exc:
-        print(f"edge-agent: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return EXIT_USAGE
+        failure = failure_of(exc, client.target)
+        print(f"edge-agent: {failure.message}", file=sys.stderr)
+        return failure.exit_code
     finally:
         client.close()
     return 0
@@ -431,9 +484,13 @@ def build_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="device profiles")
     psub = prof.add_subparsers(dest="profile_command", required=True)
     p = psub.add_parser("list", help="list shipped profiles")
+    p.add_argument("--json", action="store_true", help="every profile's keys (docs/PROFILES.md)")
     p.set_defaults(func=cmd_profile_list)
-    p = psub.add_parser("show", help="show one profile")
-    p.add_argument("name", nargs="?", help="profile name or path (default: detect)")
+    p = psub.add_parser("show", help="show one profile and why it is the one")
+    p.add_argument("name", nargs="?", help="profile name or path (default: --profile, detect)")
+    _profile_arg(p)
+    p.add_argument("--root", default="/", help="root of the /proc, /dev tree to detect from")
+    p.add_argument("--json", action="store_true", help="the profile's keys and the reasons")
     p.set_defaults(func=cmd_profile_show)
     p = psub.add_parser("detect", help="detect the board and say which profile fits and why")
     p.add_argument("--root", default="/", help="root of the /proc, /dev tree to read")
@@ -578,9 +635,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rc
     except AgentError as exc:
         print(f"edge-agent: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return exitcodes.for_error(exc)
+    except KeyboardInterrupt:
+        print("\nedge-agent: interrupted", file=sys.stderr)
+        return exitcodes.INTERRUPTED
     except BrokenPipeError:
-        return 0
+        return exitcodes.OK
+    finally:
+        if argv is None:  # the real command line: a Ctrl-C while Python shuts down (joining
+            # gRPC's threads) ends the process quietly instead of a KeyboardInterrupt traceback
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 if __name__ == "__main__":

@@ -513,6 +513,13 @@ def resolve_profile(
     return load_profile(path), (f"profile {name_or_path!r} given explicitly ({path})",)
 
 
+def log_reasons(name: str, reasons: Sequence[str], *, detected: bool) -> None:
+    """Why `name` runs, one INFO line per reason, for a command that resolved it; `detected`:
+    detection chose it and has logged its first reason (the choice) already."""
+    for r in reasons[1 if detected else 0 :]:
+        log.info("profile %s: %s", name, r)
+
+
 # ---------------------------------------------------------------------------------------------
 # Quantization
 
@@ -933,6 +940,38 @@ def _no_profile_message(facts: HardwareFacts, verdicts: Sequence[_Verdict]) -> s
 
 # ---------------------------------------------------------------------------------------------
 # Rendering
+
+
+def _json_value(value: object) -> object:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return [_json_value(v) for v in value]
+    return value
+
+
+def as_json(profile: DeviceProfile) -> dict[str, object]:
+    """The profile as JSON-ready values under its TOML keys (``profile show|list --json``):
+    `name`, `description`, `source`, and one object per table with every key of that table,
+    defaults filled in (`npu` is null without one; its `options` an object)."""
+    tables: dict[str, object] = {"name": profile.name, "description": profile.description}
+    tables["source"] = str(profile.source)
+    for table, keys in (
+        ("board", BOARD_KEYS),
+        ("runtime", RUNTIME_KEYS),
+        ("model", MODEL_KEYS),
+        ("generation", GENERATION_KEYS),
+        ("kv", KV_KEYS),
+    ):
+        section = getattr(profile, table)
+        tables[table] = {key: _json_value(getattr(section, key)) for key in keys}
+    npu = profile.npu
+    tables["npu"] = (
+        None
+        if npu is None
+        else {"kind": npu.kind, "library": npu.library, "options": dict(npu.options)}
+    )
+    return tables
 
 
 def describe(profile: DeviceProfile) -> str:

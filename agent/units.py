@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import grp
+import json
 import logging
 import os
 import re
@@ -28,7 +29,7 @@ from typing import Final
 
 import agent
 from agent.errors import AgentError, ConfigError
-from agent.profile import DeviceProfile, profiles_dir, resolve_profile
+from agent.profile import DeviceProfile, log_reasons, profiles_dir, resolve_profile
 from agent.tomltable import MiB
 
 log = logging.getLogger(__name__)
@@ -286,17 +287,30 @@ def install(
 def _profile_of(args: argparse.Namespace) -> DeviceProfile:
     name = getattr(args, "sub_profile", None) or getattr(args, "profile", None)
     profile, reasons = resolve_profile(name)
-    for reason in reasons:
-        log.info("profile %s: %s", profile.name, reason)
+    log_reasons(profile.name, reasons, detected=name is None)
     return profile
 
 
 def cmd_dropin(args: argparse.Namespace) -> int:
-    """``edge-agent systemd dropin``: print the drop-in for the profile."""
+    """``edge-agent systemd dropin``: print the drop-in for the profile (``--json``: with the
+    numbers in it, docs/SYSTEMD.md)."""
     profile = _profile_of(args)
-    sys.stdout.write(
-        render_dropin(profile, exec_start=args.exec_start, socket_group=args.socket_group)
-    )
+    text = render_dropin(profile, exec_start=args.exec_start, socket_group=args.socket_group)
+    if not args.json:
+        sys.stdout.write(text)
+        return 0
+    high, hard = memory_limits(profile.runtime.max_num_bytes)
+    doc = {
+        "profile": profile.name,
+        "path": f"etc/systemd/system/{UNIT_NAME}.d/{DROPIN_NAME}",
+        "memory_high_bytes": high,
+        "memory_max_bytes": hard,
+        "device_allow": list(profile.board.npu_nodes),
+        "group": args.socket_group,
+        "exec_start": args.exec_start,
+        "text": text,
+    }
+    print(json.dumps(doc, indent=2))
     return 0
 
 
@@ -351,6 +365,7 @@ def register_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 
     p = sub.add_parser("dropin", help="print the profile drop-in (10-profile.conf)")
     common(p)
+    p.add_argument("--json", action="store_true", help="the drop-in and its numbers as JSON")
     p.set_defaults(func=cmd_dropin)
     p = sub.add_parser("install", help="install unit, drop-in and socket group; reload systemd")
     common(p)

@@ -761,7 +761,7 @@ def test_session_cli(daemon: Daemon, tmp_path) -> None:
     other = cli("session", "list", "--json", "--client-key", "someone-else")
     assert json.loads(other.stdout)["sessions"] == []
     foreign = cli("session", "delete", sid, "--client-key", "someone-else")
-    assert foreign.returncode == 2 and "NOT_FOUND" in foreign.stderr
+    assert foreign.returncode == 5 and "NOT_FOUND" in foreign.stderr  # refused (exitcodes)
     for s in (sid, child["id"]):
         deleted = cli("session", "delete", s, "--json")
         assert deleted.returncode == 0 and json.loads(deleted.stdout) == {"deleted": s}

@@ -6,17 +6,21 @@ the daemon's sessions answer only to the key that created them (`agent.rpc.ident
 
 from __future__ import annotations
 
+import errno
 import json
+import socket as sockets
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from agent import exitcodes
 from agent.config import DEFAULT_SOCKET
+from agent.errors import ERROR_TRAILER
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from agent.pb.edge_agent.v1 import agent_pb2_grpc as pb_grpc
 from agent.rpc.identity import METADATA_KEY, check_key
@@ -50,6 +54,33 @@ class Reply:
     error: str
 
 
+@dataclass(slots=True)
+class Partial:
+    """What a generation stream delivered so far; `Client.generate` fills it as messages come,
+    so the caller still has the text and tokens when the stream fails or is interrupted."""
+
+    text: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    last: pb.GenerateResponse | None = None
+
+    def reply(self, finish_reason: str | None = None) -> Reply:
+        """The reply so far; `finish_reason` replaces the stream's own (e.g. "cancelled")."""
+        last = self.last if self.last is not None else pb.GenerateResponse()
+        stats = MessageToDict(last.stats, preserving_proto_field_name=True)
+        reason = FINISH_NAMES.get(last.finish_reason, "?")
+        return Reply(
+            "".join(self.text), list(self.tokens), finish_reason or reason, stats, last.error
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """Why a call failed, as a command line reports it: one line and an exit code."""
+
+    exit_code: int
+    message: str
+
+
 @dataclass(frozen=True, slots=True)
 class SessionEntry:
     """One of the caller's sessions, as ListSessions reports it."""
@@ -73,7 +104,8 @@ class Client:
         timeout: float | None = None,
         client_key: str | None = None,
     ) -> None:
-        self.channel = grpc.insecure_channel(target_of(socket))
+        self.target = target_of(socket)
+        self.channel = grpc.insecure_channel(self.target)
         self.stub = pb_grpc.AgentStub(self.channel)  # type: ignore[no-untyped-call]
         self.timeout = timeout
         self.metadata: tuple[tuple[str, str], ...] = (
@@ -89,21 +121,29 @@ class Client:
     def stream(self, request: pb.GenerateRequest) -> Iterator[pb.GenerateResponse]:
         return self._call("Generate", request)  # type: ignore[no-any-return]
 
-    def generate(self, request: pb.GenerateRequest, echo: bool = False) -> Reply:
-        text: list[str] = []
-        tokens: list[int] = []
-        last = pb.GenerateResponse()
-        for msg in self.stream(request):
-            text.append(msg.text)
-            tokens.extend(msg.token_ids)
-            if echo:
-                sys.stdout.write(msg.text)
-                sys.stdout.flush()
-            last = msg
-        stats = MessageToDict(last.stats, preserving_proto_field_name=True)
-        return Reply(
-            "".join(text), tokens, FINISH_NAMES.get(last.finish_reason, "?"), stats, last.error
-        )
+    def generate(
+        self, request: pb.GenerateRequest, echo: bool = False, into: Partial | None = None
+    ) -> Reply:
+        """Run a generation to its end; `echo` writes the text to stdout as it comes.
+
+        Messages are collected in `into` (when given) as they arrive. Anything that ends the
+        loop early (an error, KeyboardInterrupt) cancels the call first, so the daemon stops
+        generating at once.
+        """
+        got = into if into is not None else Partial()
+        call = self.stream(request)
+        try:
+            for msg in call:
+                got.text.append(msg.text)
+                got.tokens.extend(msg.token_ids)
+                got.last = msg
+                if echo:
+                    sys.stdout.write(msg.text)
+                    sys.stdout.flush()
+        except BaseException:
+            call.cancel()  # type: ignore[attr-defined]
+            raise
+        return got.reply()
 
     def info(self) -> dict[str, Any]:
         msg = self._call("GetModelInfo", pb.GetModelInfoRequest())
@@ -180,7 +220,9 @@ def build_request(
     return req
 
 
-def reply_json(reply: Reply) -> str:
+def reply_json(reply: Reply, error: str | None = None) -> str:
+    """`--json` output of a generation; `error` (or the stream's own) when it did not end by
+    stop or length."""
     stats = reply.stats
     doc = {
         "text": reply.text,
@@ -197,6 +239,74 @@ def reply_json(reply: Reply) -> str:
             "truncated_tokens": int(stats.get("truncated_tokens", 0)),
         },
     }
-    if reply.error:
-        doc["error"] = reply.error
+    if error or reply.error:
+        doc["error"] = error or reply.error
     return json.dumps(doc, ensure_ascii=False)
+
+
+def unreachable_reason(target: str) -> str | None:
+    """Why nothing answers at a gRPC `target` (None: something accepts connections there).
+
+    Asked only after a call failed with UNAVAILABLE and no error type from the daemon, to say
+    whether a daemon was reached at all.
+    """
+    try:
+        if target.startswith("unix:"):
+            path = target[len("unix:") :]
+            with sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) as s:
+                s.settimeout(2.0)
+                s.connect(path)
+        else:
+            host, _, port = target.rpartition(":")
+            if target.startswith(("dns:", "ipv4:", "ipv6:")):
+                host = host.split(":", 1)[1].lstrip("/")
+            with sockets.create_connection((host.strip("[]"), int(port)), timeout=2.0):
+                pass
+    except FileNotFoundError:
+        return "no socket there"
+    except ConnectionRefusedError:
+        return "nothing is listening on it (a stale socket or not a socket)"
+    except PermissionError:
+        return "permission denied (the socket is for its group: docs/SYSTEMD.md)"
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, OSError) and exc.errno == errno.ENOTSOCK:
+            return "it is not a socket"
+        return str(exc) or type(exc).__name__
+    return None
+
+
+def error_type_of(exc: grpc.RpcError) -> str | None:
+    """The daemon's name for the error that failed a call (its `edge-agent-error` trailer)."""
+    trailers = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key == ERROR_TRAILER:
+            return str(value)
+    return None
+
+
+def failure_of(exc: grpc.RpcError, target: str, started: bool = False) -> Failure:
+    """The exit code and the one line to print for a failed call to `target`; `started`: a
+    stream had delivered messages (a daemon that goes away then ended the request: CANCELLED,
+    not UNREACHABLE)."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    kind = error_type_of(exc)
+    if (
+        started
+        and kind is None
+        and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+    ):
+        return Failure(
+            exitcodes.CANCELLED,
+            f"{code.name}: the daemon ended the request before it was complete ({details})",
+        )
+    if code == grpc.StatusCode.UNAVAILABLE and kind is None:
+        why = unreachable_reason(target)
+        if why is not None:
+            where = target[len("unix:") :] if target.startswith("unix:") else target
+            return Failure(
+                exitcodes.UNREACHABLE,
+                f"cannot reach the daemon at {where}: {why}; the daemon may not be running "
+                "(systemctl status edge-agent), or it listens elsewhere (--socket)",
+            )
+    return Failure(exitcodes.for_status(code.name, kind), f"{code.name}: {details}")

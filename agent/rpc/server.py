@@ -33,7 +33,7 @@ from agent.engine.chat import ChatMessage, check_messages
 from agent.engine.engine import Engine
 from agent.engine.sampler import SamplingParams
 from agent.engine.types import GenerateRequest, SessionInfo, TierStats, TokenEvent
-from agent.errors import AgentError, HostError, InvalidRequest, grpc_status_name
+from agent.errors import ERROR_TRAILER, AgentError, HostError, InvalidRequest, grpc_status_name
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from agent.rpc import reflection, unixsocket
 from agent.rpc.identity import key_from_metadata, owner_of
@@ -86,7 +86,8 @@ def _lenient(cls: Any) -> Callable[[bytes], Any]:
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     code = getattr(grpc.StatusCode, grpc_status_name(exc))
-    await context.abort(code, str(exc))
+    kind = ((ERROR_TRAILER, type(exc).__name__),) if isinstance(exc, AgentError) else ()
+    await context.abort(code, str(exc), trailing_metadata=kind)
 
 
 def _check(request: Any) -> None:
@@ -459,6 +460,13 @@ class Server:
         or a missing parent directory, having changed nothing; see `agent.rpc.unixsocket`."""
         await self.set_serving(False)
         sock = self._config.socket
+        group = self._config.socket_group
+        try:
+            gid = grp.getgrnam(group).gr_gid if group else -1
+        except KeyError:
+            raise HostError(
+                f"server.socket_group = {group!r}: no such group on this machine"
+            ) from None
         with unixsocket.bind_guard(sock):
             old = os.umask(0o777 ^ self._config.socket_mode)
             try:
@@ -481,8 +489,8 @@ class Server:
             self.addresses.append(f"{host}:{port}")
         await self._server.start()
         os.chmod(sock, self._config.socket_mode)
-        if self._config.socket_group:
-            os.chown(sock, -1, grp.getgrnam(self._config.socket_group).gr_gid)
+        if gid != -1:
+            os.chown(sock, -1, gid)
         log.info("listening on %s", ", ".join(self.addresses))
 
     async def set_serving(self, serving: bool) -> None:

@@ -1,0 +1,353 @@
+"""Exit codes of the command line as scripts meet them (agent/exitcodes.py, README "Exit codes").
+
+Real `python -m agent ...` subprocesses against a real daemon on a unix socket; the demo model
+(context 1024, ~1 ms a token here) makes a 1000-token stream long enough to interrupt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sentencepiece
+
+from agent import exitcodes
+from agent.modeldir import demo_model_dir, load_model_dir
+from tests.daemon_harness import Daemon
+
+PROMPT = "def f(x):"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "EDGE_AGENT_CLIENT_KEY": "exit-code-tests", **extra}
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agent", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(),
+    )
+
+
+def client(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
+    return cli("client", *args, "--socket", str(daemon.socket))
+
+
+def popen_client(daemon: Daemon, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "agent", "client", *args, "--socket", str(daemon.socket)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+    )
+
+
+def one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("edge-agent: ")]
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def prompt_tokens(text: str) -> int:
+    """The prompt's length as SentencePiece itself counts it, plus the BOS the model adds."""
+    meta = load_model_dir(demo_model_dir())
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(demo_model_dir() / "tokenizer.model"))
+    return len(sp.encode(text)) + (1 if meta.add_bos and meta.bos_id is not None else 0)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = Daemon(tmp_path_factory.mktemp("exits"), demo_model_dir(), "[watchdog]\ntick_s = 0.2\n")
+    yield d
+    assert d.stop() == 0, d.read_log()
+
+
+def wait_active(daemon: Daemon, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    """Until the daemon runs a request (the client's, the only one)."""
+    c = daemon.client()
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            if int(c.status().get("active_requests", 0)) >= 1:
+                return
+            time.sleep(0.005)
+    finally:
+        c.close()
+    raise AssertionError("the request never ran")
+
+
+def tokens_generated(daemon: Daemon) -> int:
+    c = daemon.client()
+    try:
+        return int(c.status()["tokens_generated"])
+    finally:
+        c.close()
+
+
+# ----------------------------------------------------------------------------- 0 and 130
+
+
+def test_a_complete_generation_exits_0(daemon: Daemon) -> None:
+    r = client(daemon, "generate", PROMPT, "--max-tokens", "4", "--seed", "1", "--json")
+    assert r.returncode == exitcodes.OK == 0, r.stderr
+    assert json.loads(r.stdout)["finish_reason"] in ("stop", "length")
+
+
+def test_ctrl_c_mid_stream_exits_130_with_the_partial_text_and_no_traceback(
+    daemon: Daemon,
+) -> None:
+    before = tokens_generated(daemon)
+    proc = popen_client(daemon, "generate", PROMPT, "--max-tokens", "1000", "--seed", "1")
+    assert proc.stdout is not None
+    first = os.read(proc.stdout.fileno(), 1)  # the stream has begun
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=60)
+    stderr = err.decode()
+    assert proc.returncode == exitcodes.INTERRUPTED == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert "interrupted" in one_line(stderr)
+    summary = next(line for line in stderr.splitlines() if line.startswith("["))
+    n = int(summary[1:].split()[0])
+    assert summary.startswith(f"[{n} tokens, cancelled") and 1 <= n < 1000, summary
+    assert len(first + rest) > 0  # what arrived was printed
+    time.sleep(0.5)
+    assert tokens_generated(daemon) - before < 1000  # the daemon stopped generating
+
+
+def test_ctrl_c_with_json_prints_what_arrived(daemon: Daemon) -> None:
+    proc = popen_client(daemon, "generate", PROMPT, "--max-tokens", "1000", "--seed", "1", "--json")
+    wait_active(daemon, proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err.decode()
+    assert "Traceback" not in err.decode()
+    doc = json.loads(out)
+    assert doc["finish_reason"] == "cancelled" and "interrupted" in doc["error"]
+    assert len(doc["tokens"]) < 1000
+
+
+# ----------------------------------------------------------------------------- 4: deadline
+
+
+def test_a_deadline_is_exit_4_not_0(daemon: Daemon) -> None:
+    r = client(daemon, "generate", PROMPT, "--max-tokens", "1000", "--timeout", "0.05")
+    assert r.returncode == exitcodes.DEADLINE == 4, r.stderr
+    assert "DEADLINE_EXCEEDED" in one_line(r.stderr) and "--timeout 0.05" in r.stderr
+    js = client(daemon, "generate", PROMPT, "--max-tokens", "1000", "--timeout", "0.05", "--json")
+    assert js.returncode == 4, js.stderr
+    doc = json.loads(js.stdout)
+    assert "DEADLINE_EXCEEDED" in doc["error"] and len(doc["tokens"]) < 1000
+
+
+# ----------------------------------------------------------------------------- 3: unreachable
+
+
+def test_no_daemon_is_exit_3_naming_the_socket(tmp_path: Path) -> None:
+    missing = tmp_path / "run" / "agent.sock"
+    for args in (("generate", "x"), ("health",), ("session", "list"), ("info",)):
+        r = cli("client", *args, "--socket", str(missing))
+        assert r.returncode == exitcodes.UNREACHABLE == 3, (args, r.stderr)
+        line = one_line(r.stderr)
+        assert str(missing) in line and "systemctl status edge-agent" in line, line
+        assert "no socket there" in line
+
+
+def test_a_stale_socket_or_a_file_is_exit_3_and_left_alone(tmp_path: Path) -> None:
+    stale = tmp_path / "stale.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(stale))  # bound, never listening: what a killed daemon leaves
+    try:
+        r = cli("client", "generate", "x", "--socket", str(stale))
+        assert r.returncode == 3, r.stderr
+        assert str(stale) in one_line(r.stderr) and "nothing is listening" in r.stderr
+    finally:
+        s.close()
+    plain = tmp_path / "notes.txt"
+    plain.write_text("keep me\n")
+    r = cli("client", "status", "--socket", str(plain))
+    assert r.returncode == 3, r.stderr
+    assert str(plain) in one_line(r.stderr)
+    assert plain.read_text() == "keep me\n"
+
+
+# ----------------------------------------------------------------------------- 2: bad input
+
+
+def test_bad_requests_are_exit_2(daemon: Daemon) -> None:
+    r = client(daemon, "generate", "", "--max-tokens", "5")
+    assert r.returncode == exitcodes.USAGE == 2
+    assert "INVALID_ARGUMENT: prompt is empty" in one_line(r.stderr)
+    r = client(daemon, "generate", PROMPT, "--max-tokens", "100000")  # the daemon's own limit
+    assert r.returncode == 2 and "above this agent's limit 4096" in one_line(r.stderr)
+    r = client(daemon, "generate", PROMPT, "--top-p", "1.5")
+    assert r.returncode == 2 and "top_p = 1.5" in one_line(r.stderr)
+    r = cli("client", "generate")  # argparse
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def _overflow_text(prompt: int, max_tokens: int, context: int) -> str:
+    return (
+        f"prompt ({prompt} tokens) + max_tokens ({max_tokens}) = {prompt + max_tokens} tokens "
+        f"is beyond the model's context of {context}"
+    )
+
+
+def test_prompt_plus_max_tokens_beyond_the_context_is_refused_by_the_daemon(
+    daemon: Daemon,
+) -> None:
+    ctx = load_model_dir(demo_model_dir()).context_length
+    p = prompt_tokens(PROMPT)
+    over = client(daemon, "generate", PROMPT, "--max-tokens", str(ctx - p + 1), "--seed", "1")
+    assert over.returncode == 2, over.stderr
+    line = one_line(over.stderr)
+    assert "RESOURCE_EXHAUSTED" in line and _overflow_text(p, ctx - p + 1, ctx) in line
+    assert over.stdout == ""  # not one token
+    fits = client(daemon, "generate", PROMPT, "--max-tokens", str(ctx - p), "--json", "--seed", "1")
+    assert fits.returncode == 0, fits.stderr
+    assert 1 <= len(json.loads(fits.stdout)["tokens"]) <= ctx - p
+    # a session turn: refused before the session changes
+    sid = client(daemon, "session", "create").stdout.strip()
+    r = client(daemon, "generate", PROMPT, "--session", sid, "--max-tokens", str(ctx))
+    assert r.returncode == 2 and _overflow_text(p, ctx, ctx) in one_line(r.stderr)
+    rows = json.loads(client(daemon, "session", "list", "--json").stdout)["sessions"]
+    assert [(s["id"], s["tokens"]) for s in rows if s["id"] == sid] == [(sid, 0)]
+    assert client(daemon, "session", "delete", sid).returncode == 0
+
+
+def test_prompt_plus_max_tokens_beyond_the_context_is_refused_in_process() -> None:
+    ctx = load_model_dir(demo_model_dir()).context_length
+    p = prompt_tokens(PROMPT)
+    for n in (ctx - p + 1, 100000):
+        r = cli("generate", PROMPT, "--profile", "generic-x86_64", "--max-tokens", str(n))
+        assert r.returncode == 2, r.stderr
+        assert _overflow_text(p, n, ctx) in one_line(r.stderr) and r.stdout == ""
+    ok = cli("generate", PROMPT, "--max-tokens", str(ctx - p), "--seed", "1", "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert 1 <= len(json.loads(ok.stdout)["tokens"]) <= ctx - p
+
+
+# ----------------------------------------------------------------------------- 5 and 6
+
+
+def test_an_unknown_session_is_refused_exit_5(daemon: Daemon) -> None:
+    for args in (("generate", PROMPT, "--session", "nope"), ("session", "delete", "nope")):
+        r = client(daemon, *args)
+        assert r.returncode == exitcodes.REFUSED == 5, r.stderr
+        assert "NOT_FOUND" in one_line(r.stderr) and "nope" in r.stderr
+
+
+def test_a_busy_session_is_exit_6(daemon: Daemon) -> None:
+    sid = client(daemon, "session", "create").stdout.strip()
+    long = popen_client(daemon, "generate", PROMPT, "--session", sid, "--max-tokens", "1000")
+    try:
+        wait_active(daemon, long)
+        r = client(daemon, "generate", "\n", "--session", sid, "--max-tokens", "2")
+        assert r.returncode == exitcodes.BUSY == 6, r.stderr
+        assert "FAILED_PRECONDITION" in one_line(r.stderr) and "already has a request" in r.stderr
+    finally:
+        long.communicate(timeout=60)
+    assert long.returncode == 0
+
+
+def test_a_full_queue_is_exit_6(tmp_path: Path) -> None:
+    from agent.rpc.client import build_request
+
+    d = Daemon(tmp_path, demo_model_dir(), "[limits]\nmax_active = 1\nqueue_capacity = 1\n")
+    c = d.client(timeout=60)
+    try:
+        d.signal(signal.SIGUSR2)  # fault injection: the engine thread stalls, nothing runs
+        time.sleep(0.5)
+        req = build_request(
+            PROMPT,
+            None,
+            max_tokens=5,
+            temperature=None,
+            top_k=None,
+            top_p=None,
+            seed=1,
+            stop=[],
+        )
+        waiting = c.stream(req)  # takes the one place in the queue
+        deadline = time.monotonic() + 30
+        while int(c.status().get("queue_depth", 0)) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        full = client(d, "generate", PROMPT, "--max-tokens", "2")
+        assert full.returncode == exitcodes.BUSY == 6, full.stderr
+        assert "RESOURCE_EXHAUSTED" in one_line(full.stderr) and "queue is full" in full.stderr
+        waiting.cancel()
+    finally:
+        c.close()
+        d.proc.kill()  # the stalled engine would hold a drain for an hour
+        d.stop()
+
+
+def test_a_request_the_daemon_cancels_is_exit_7(tmp_path: Path) -> None:
+    d = Daemon(tmp_path, demo_model_dir(), "[limits]\ndrain_timeout_s = 0\n")
+    try:
+        running = popen_client(d, "generate", PROMPT, "--max-tokens", "1000", "--seed", "1")
+        assert running.stdout is not None
+        first = os.read(running.stdout.fileno(), 1)  # the answer has begun
+        d.signal(signal.SIGTERM)  # no drain: what still runs is cancelled
+        rest, err = running.communicate(timeout=60)
+        stderr = err.decode()
+        assert running.returncode == exitcodes.CANCELLED == 7, stderr
+        assert "the daemon ended the request" in one_line(stderr)
+        summary = next(line for line in stderr.splitlines() if line.startswith("["))
+        assert summary.startswith("[") and int(summary[1:].split()[0]) < 1000, summary
+        assert len(first + rest) > 0
+    finally:
+        d.stop()
+
+
+# ----------------------------------------------------------------------------- 1: failed
+
+
+def test_a_model_that_fails_is_exit_1(tiny_model_factory, tmp_path: Path) -> None:
+    """A model whose logits are NaN ends every request with an error: exit 1, never 0."""
+    import shutil
+
+    from agent.modeldir import write_model_dir_metadata
+    from tests.test_prepared_check import _poison
+
+    src = tiny_model_factory.model_dir(quantizations=("fp32",), prefill_lens=(8,), kv_max=64)
+    d = tmp_path / "nan-model"
+    shutil.copytree(src, d)
+    _poison(src / "model_fp32.tflite", d / "model_fp32.tflite")
+    meta = load_model_dir(src)
+    write_model_dir_metadata(
+        d,
+        name=meta.name,
+        version=meta.version,
+        context_length=meta.context_length,
+        bos_id=meta.bos_id,
+        eos_id=meta.eos_id,
+        stop_token_ids=meta.stop_token_ids,
+        chat_template=meta.chat_template,
+        variants=[("model_fp32.tflite", "fp32")],
+    )
+    r = cli("generate", "hello", "--model", str(d), "--max-tokens", "4", "--json")
+    assert r.returncode == exitcodes.FAILED == 1, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["finish_reason"] == "error" and doc["tokens"] == []
+    assert "non-finite logits" in one_line(r.stderr)
+    (tmp_path / "daemon").mkdir()
+    daemon = Daemon(tmp_path / "daemon", d)
+    try:
+        r = client(daemon, "generate", "hello", "--max-tokens", "4")
+        assert r.returncode == 1, r.stderr
+        assert "non-finite logits" in one_line(r.stderr)
+    finally:
+        assert daemon.stop() == 0, daemon.read_log()
