@@ -324,5 +324,7 @@ def unpack_cache_dir(weight_cache_dir: Path | None, state_dir: Path | None) -> P
 
 
 def demo_model_dir() -> Path:
-    """The demo model shipped inside the package."""
-    return Path(__file__).parent / "models" / "demo"
+    """The demo model shipped inside the package (`agent.shipped.demo_model`)."""
+    from agent.shipped import demo_model
+
+    return demo_model()

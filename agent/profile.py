@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-import agent
 from agent.errors import ConfigError, ProfileNotFound
 from agent.modeldir import QUANTIZATIONS
+from agent.shipped import shipped_dir
 from agent.tomltable import MISSING, GiB, MiB, TiB
 from agent.tomltable import Table as _Table
 from agent.tomltable import size_text as _size_text
@@ -470,11 +470,12 @@ def load_profile(path: Path) -> DeviceProfile:
 
 
 def profiles_dir() -> Path:
-    """The shipped profiles: ``$EDGE_AGENT_PROFILES_DIR`` or the repo's ``firmware_profiles/``."""
+    """The shipped profiles: ``$EDGE_AGENT_PROFILES_DIR``, else the checkout's
+    ``firmware_profiles/``, else the installed package's copy (`agent.shipped`)."""
     override = os.environ.get(PROFILES_ENV)
     if override:
         return Path(override)
-    return Path(agent.__file__).resolve().parent.parent / "firmware_profiles"
+    return shipped_dir("firmware_profiles")
 
 
 def list_profiles(directory: Path | None = None) -> list[DeviceProfile]:

@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
-import agent
 from agent.errors import AgentError, ConfigError
 from agent.profile import DeviceProfile, log_reasons, profiles_dir, resolve_profile
+from agent.shipped import shipped_dir
 from agent.tomltable import MiB
 
 log = logging.getLogger(__name__)
@@ -54,11 +54,12 @@ _GROUP_RE: Final = re.compile(r"[a-z_][a-z0-9_-]{0,30}")
 
 
 def units_dir() -> Path:
-    """The shipped unit files: ``$EDGE_AGENT_SYSTEMD_DIR`` or the repo's ``systemd/``."""
+    """The shipped unit files: ``$EDGE_AGENT_SYSTEMD_DIR``, else the checkout's ``systemd/``,
+    else the installed package's copy (`agent.shipped`)."""
     override = os.environ.get(UNITS_ENV)
     if override:
         return Path(override)
-    return Path(agent.__file__).resolve().parent.parent / "systemd"
+    return shipped_dir("systemd")
 
 
 def memory_limits(max_num_bytes: int) -> tuple[int, int]:
