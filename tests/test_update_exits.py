@@ -7,8 +7,12 @@ id is used once. A real daemon, a real mosquitto, a real HTTP server on loopback
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
+
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
 from agent.fleet.operator import send
 from agent.fleet.topics import Topics
@@ -27,7 +31,6 @@ from tests.test_updates import STRANGER, TRUSTED, Models, _signed, bundle, confi
 models, trusted, broker = test_updates.models, test_updates.trusted, test_updates.broker
 
 Phase = fpb.UpdateStatus
-OK = fpb.CommandResponse.OK
 INVALID = fpb.CommandResponse.INVALID_ARGUMENT
 
 
@@ -150,12 +153,19 @@ def test_a_signed_cancel_stops_a_stuck_download_and_nothing_else_does(
             assert r.code == INVALID and f"({code})" in r.message, (code, r)
         assert _final(watch, device) is None, statuses(watch, device)[-1]
         assert Store(tmp_path / "state").record().state == opb.UpdateRecord.DOWNLOADING  # type: ignore[union-attr]
-        # the operator's cancel: answered once the update has ended, and reported
-        good = sign_cancel(update_id, [TRUSTED], reason="bad build").SerializeToString()
-        r = cancel(good)
-        assert r.code == OK, r
-        assert r.update.phase == Phase.REJECTED and r.update.reason_code == "cancelled", r
-        assert "bad build" in r.update.message
+        # the operator's cancel, through the command line: answered once the update has ended
+        key = tmp_path / "release.key"
+        key.write_bytes(TRUSTED.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
+        argv = ["fleet", "cancel-update", update_id, "--key", str(key), "--device", device]
+        cli = subprocess.run(
+            [sys.executable, "-m", "agent", *argv, "--reason", "bad build", "--broker", broker.url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert cli.returncode == 0, (cli.stdout, cli.stderr)
+        assert f"update {update_id}: REJECTED (cancelled)" in cli.stdout, cli.stdout
+        assert "bad build" in cli.stdout, cli.stdout
         _wait(lambda: _final(watch, device) is not None, what="the cancel is not reported")
         final = _final(watch, device)
         assert final is not None and final.reason_code == "cancelled", final
@@ -164,7 +174,9 @@ def test_a_signed_cancel_stops_a_stuck_download_and_nothing_else_does(
         time.sleep(1.5)  # retry_s is 0.5: no download attempt after the cancel
         assert len(served.requests) == attempts
         assert not list((tmp_path / "state" / "ota" / "payload").glob("*.part"))
-        # a replayed cancel finds nothing to stop; the cancelled manifest cannot come back
+        # a cancel valid in every other way (as a replayed one) finds nothing to stop now, and
+        # the cancelled manifest cannot come back
+        good = sign_cancel(update_id, [TRUSTED], reason="again").SerializeToString()
         r = cancel(good)
         assert r.code == INVALID and "(not_in_progress)" in r.message, r
         resp = send(options(broker), PREFIX, device, "update", {}, _signed(path), 30)

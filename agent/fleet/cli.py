@@ -1,4 +1,5 @@
-"""`edge-agent fleet watch|send|publish-update`: the operator's commands (docs/FLEET.md).
+"""`edge-agent fleet watch|send|publish-update|cancel-update`: the operator's commands
+(docs/FLEET.md).
 
 Connection settings come from the agent config's [fleet] section (`--config`, default
 /etc/edge-agent/agent.toml, absent is fine); flags win. Exit codes: 0 done (send: the device
@@ -318,6 +319,47 @@ def cmd_fleet_publish_update(args: argparse.Namespace) -> int:
     return 0 if len(committed) == len(done) else EXIT_FAILED
 
 
+def cmd_fleet_cancel_update(args: argparse.Namespace) -> int:
+    """Sign a cancel of update `args.update_id` and send it to each device (docs/UPDATES.md)."""
+    from agent.fleet.operator import FleetError, send
+    from agent.ota.cancel import sign_cancel
+    from agent.ota.cli import parse_duration
+    from agent.ota.keys import load_private
+
+    try:
+        opts, fleet = _connection(args)
+        prefix = args.prefix or fleet.topic_prefix
+        for d in args.device:
+            if not DEVICE_ID_RE.fullmatch(d):
+                raise _Usage(f"device id {d!r} is not valid (A-Z a-z 0-9 _ . : -)")
+        try:
+            expires_in = parse_duration(args.expires_in)
+        except ValueError as exc:
+            raise _Usage(f"--expires-in: {exc}") from exc
+        try:
+            keys = [load_private(Path(k)) for k in args.key]
+            body = sign_cancel(
+                args.update_id, keys, reason=args.reason, expires_in_s=expires_in
+            ).SerializeToString()
+        except ValueError as exc:
+            raise _Usage(str(exc)) from exc
+    except (_Usage, AgentError) as exc:
+        return _fail(str(exc))
+    ok = True
+    for device in args.device:
+        try:
+            resp = send(opts, prefix, device, "cancel", {}, body, timeout_s=args.timeout)
+        except FleetError as exc:
+            print(f"edge-agent: {device}: {exc}", file=sys.stderr)
+            ok = False
+            continue
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
+        ok = ok and resp.code == pb.CommandResponse.OK
+        print(describe(resp, device), flush=True)
+    return 0 if ok else EXIT_FAILED
+
+
 # ----------------------------------------------------------------------------- parser
 
 
@@ -403,3 +445,20 @@ def add_fleet_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     )
     _connection_args(p)
     p.set_defaults(func=cmd_fleet_publish_update)
+
+    p = sub.add_parser(
+        "cancel-update",
+        help="stop an update in progress: a cancel signed with the update key, sent to devices",
+    )
+    p.add_argument("update_id", metavar="UPDATE_ID", help="the update's id (update inspect)")
+    p.add_argument(
+        "--key", action="append", required=True, metavar="K", help="signing key (repeatable)"
+    )
+    p.add_argument("--device", action="append", required=True, metavar="ID", help="(repeatable)")
+    p.add_argument("--reason", default="", help="reported with the cancelled update")
+    p.add_argument("--expires-in", default="1h", help="the cancel's validity (default: 1h)")
+    p.add_argument(
+        "--timeout", type=float, default=60.0, metavar="S", help="per device (default: 60)"
+    )
+    _connection_args(p)
+    p.set_defaults(func=cmd_fleet_cancel_update)
