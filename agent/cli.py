@@ -166,9 +166,11 @@ def _open_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from agent.engine.engine import Engine
     from agent.modeldir import demo_model_dir
     from agent.profile import log_reasons
+    from agent.userdirs import one_shot_profile
 
     profile, reasons = _resolve(args)
     log_reasons(profile.name, reasons, detected=_profile_name(args) is None)
+    profile = one_shot_profile(profile)  # never the daemon's /var/cache
     model_dir = Path(args.model) if args.model else (profile.model.path or demo_model_dir())
     return Engine(profile, model_dir, quantization=args.quantization)
 

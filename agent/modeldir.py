@@ -314,13 +314,15 @@ def open_model(path: Path, cache_dir: Path) -> ModelMeta:
 def unpack_cache_dir(weight_cache_dir: Path | None, state_dir: Path | None) -> Path:
     """Where `.litertlm` bundles are extracted: ``litertlm/`` beside the profile's XNNPACK
     weight cache (the daemon always has one), else in the state directory's ``cache/``, else
-    in the user's cache (``$XDG_CACHE_HOME/edge-agent``, ``~/.cache/edge-agent``)."""
+    in the user's cache (`agent.userdirs.cache_dir`: ``$CACHE_DIRECTORY``,
+    ``$XDG_CACHE_HOME/edge-agent``, ``~/.cache/edge-agent``)."""
     if weight_cache_dir is not None:
         return weight_cache_dir.parent / "litertlm"
     if state_dir is not None:
         return state_dir / "cache" / "litertlm"
-    home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(home) / "edge-agent" / "litertlm"
+    from agent.userdirs import cache_dir  # agent.profile imports this module
+
+    return cache_dir() / "litertlm"
 
 
 def demo_model_dir() -> Path:

@@ -100,8 +100,10 @@ def _canary(args: argparse.Namespace, base_dir: Path, new_dir: Path) -> opb.Cana
     from agent.ota import canary
     from agent.ota.bundle import BundleError, target_variant
     from agent.profile import resolve_profile
+    from agent.userdirs import one_shot_profile
 
     profile, _ = resolve_profile(args.canary_profile or getattr(args, "profile", None))
+    profile = one_shot_profile(profile)  # never the daemon's /var/cache
     quant = target_variant(load_model_dir(new_dir), args.quantization).quantization
     if args.canary_prompt:
         engine = Engine(profile, new_dir, quantization=quant)
