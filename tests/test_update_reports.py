@@ -56,11 +56,12 @@ def transitions(watch: Observer, device: str) -> list[str]:
 
 
 def _kill_between_record_and_report(  # type: ignore[no-untyped-def]
-    tmp: Path, state: str, body: bytes, device: str, models, broker, trusted
+    tmp: Path, crash_at: str, body: bytes, device: str, models, broker, trusted
 ) -> opb.UpdateRecord:
-    """Offer `body` to a daemon that SIGKILLs itself once the record says `state`, before its
-    report; return the record as the kill left it."""
-    d = start(tmp, models, broker, trusted, device, EDGE_AGENT_OTA_CRASH_AT=UNREPORTED + state)
+    """Offer `body` to a daemon that SIGKILLs itself at fault-injection point `crash_at`
+    (`unreported-<state>`: the record says <state>, its report is not written); return the
+    record as the kill left it."""
+    d = start(tmp, models, broker, trusted, device, EDGE_AGENT_OTA_CRASH_AT=crash_at)
     with contextlib.suppress(FleetError):  # the answer may not make it out before the kill
         send(options(broker), PREFIX, device, "update", {}, body, 5)
     assert d.proc.wait(60) == -signal.SIGKILL, d.read_log()
@@ -74,14 +75,25 @@ def _kill_between_record_and_report(  # type: ignore[no-untyped-def]
 def test_a_kill_between_the_record_and_its_report_loses_no_report(
     state, models, trusted, broker, tmp_path
 ):
+    _kill_and_check(state, UNREPORTED + state, models, trusted, broker, tmp_path)
+
+
+def test_a_kill_after_the_switch_before_the_trial_is_recorded_loses_no_report(
+    models, trusted, broker, tmp_path
+):
+    """The pointer names the new model, the record still says activating."""
+    _kill_and_check("activating", "switched", models, trusted, broker, tmp_path)
+
+
+def _kill_and_check(state: str, crash_at: str, models, trusted, broker, tmp_path) -> None:  # type: ignore[no-untyped-def]
     _served, http, path = over_http(models, tmp_path, 2)
-    device = f"dev-unreported-{state}"
-    watch = Observer(broker, f"ota-unreported-{state}")
+    device = f"dev-{crash_at}"
+    watch = Observer(broker, f"ota-{crash_at}")
     d = None
     try:
         rec = _kill_between_record_and_report(
             tmp_path,
-            state,
+            crash_at,
             _signed(path),
             device,
             models,
@@ -91,7 +103,7 @@ def test_a_kill_between_the_record_and_its_report_loses_no_report(
         assert R.State.Name(rec.state) == state.upper()  # killed right after the record moved
         d = start(tmp_path, models, broker, trusted, device)
         final = wait_final(watch, device)
-        if state == "activating":  # the new model never switched in: "restarted while activating"
+        if crash_at == UNREPORTED + "activating":  # not switched: "restarted while activating"
             assert final.phase == Phase.ROLLED_BACK, final
             want = [*HAPPY[:5], "ROLLED_BACK"]
         else:
@@ -123,7 +135,7 @@ def test_a_kill_before_a_rollback_is_reported(models, trusted, broker, tmp_path)
     try:
         rec = _kill_between_record_and_report(
             tmp_path,
-            "rolled_back",
+            UNREPORTED + "rolled_back",
             _resign(path, expect_wrong_tokens),
             device,
             models,
@@ -156,7 +168,7 @@ def test_a_kill_before_a_rejection_is_reported(models, trusted, broker, tmp_path
     try:
         rec = _kill_between_record_and_report(
             tmp_path,
-            "rejected",
+            UNREPORTED + "rejected",
             _resign(path, _lie_about_the_tokenizer),
             device,
             models,

@@ -185,7 +185,8 @@ class Updater:
         if rec is not None and rec.state != R.STATE_UNSPECIFIED:
             self._report(rec, rec.reason, rec.reason_code)
         try:
-            keys.load_trusted(self.config.trusted_keys_dir)
+            if self.config.trusted_keys_dir.is_dir():  # (a missing one is logged at an offer)
+                keys.load_trusted(self.config.trusted_keys_dir)
         except keys.KeyFileError as exc:
             self._reject_status("", "trusted_keys", f"{exc}; every update is refused until fixed")
 
@@ -433,6 +434,7 @@ class Updater:
             return
         inst = self.installed()
         self.store.switch(Installed(new, inst.current, inst.finished))
+        crash_point("switched")  # the record still says activating: a restart continues the trial
         rec.trial_started_unix = time.time()
         self._enter(rec, R.TRIAL, f"serving {m.version_label or m.version}; trial running")
 
