@@ -230,6 +230,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "generated_tokens": stats.generated_tokens,
             },
         }
+        if last.error:
+            doc["error"] = last.error
         print(json.dumps(doc, ensure_ascii=False))
     else:
         print()

@@ -180,8 +180,13 @@ def test_a_stale_socket_or_a_file_is_exit_3_and_left_alone(tmp_path: Path) -> No
     plain.write_text("keep me\n")
     r = cli("client", "status", "--socket", str(plain))
     assert r.returncode == 3, r.stderr
-    assert str(plain) in one_line(r.stderr)
+    assert str(plain) in one_line(r.stderr) and "it is not a socket" in r.stderr
     assert plain.read_text() == "keep me\n"
+    with socket.socket() as tcp:  # a free loopback port: bound, not listening
+        tcp.bind(("127.0.0.1", 0))
+        port = tcp.getsockname()[1]
+        r = cli("client", "health", "--socket", f"127.0.0.1:{port}")
+    assert r.returncode == 3 and f"127.0.0.1:{port}: nothing listens there" in one_line(r.stderr)
 
 
 # ----------------------------------------------------------------------------- 2: bad input
@@ -336,6 +341,7 @@ def test_a_model_that_fails_is_exit_1(tiny_model_factory, tmp_path: Path) -> Non
     assert r.returncode == exitcodes.FAILED == 1, r.stderr
     doc = json.loads(r.stdout)
     assert doc["finish_reason"] == "error" and doc["tokens"] == []
+    assert "non-finite logits" in doc["error"]
     assert "non-finite logits" in one_line(r.stderr)
     (tmp_path / "daemon").mkdir()
     daemon = Daemon(tmp_path / "daemon", d)

@@ -6,9 +6,10 @@ the daemon's sessions answer only to the key that created them (`agent.rpc.ident
 
 from __future__ import annotations
 
-import errno
 import json
+import os
 import socket as sockets
+import stat
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -250,9 +251,12 @@ def unreachable_reason(target: str) -> str | None:
     Asked only after a call failed with UNAVAILABLE and no error type from the daemon, to say
     whether a daemon was reached at all.
     """
+    unix = target.startswith("unix:")
+    path = target[len("unix:") :] if unix else ""
     try:
-        if target.startswith("unix:"):
-            path = target[len("unix:") :]
+        if unix:
+            if os.path.lexists(path) and not stat.S_ISSOCK(os.stat(path).st_mode):
+                return "it is not a socket"
             with sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) as s:
                 s.settimeout(2.0)
                 s.connect(path)
@@ -265,12 +269,10 @@ def unreachable_reason(target: str) -> str | None:
     except FileNotFoundError:
         return "no socket there"
     except ConnectionRefusedError:
-        return "nothing is listening on it (a stale socket or not a socket)"
+        return "nothing is listening on it (a stale socket)" if unix else "nothing listens there"
     except PermissionError:
         return "permission denied (the socket is for its group: docs/SYSTEMD.md)"
     except (OSError, ValueError) as exc:
-        if isinstance(exc, OSError) and exc.errno == errno.ENOTSOCK:
-            return "it is not a socket"
         return str(exc) or type(exc).__name__
     return None
 
