@@ -121,7 +121,10 @@ def bind_guard(path: Path) -> Iterator[None]:
     removed and the new one is bound: a second daemon starting at the same moment waits and
     then sees the first one's live socket. The directory's last level is created first."""
     ensure_last_level(path.parent, "the socket's directory", SOCKET_DIR_MODE)
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise HostError(f"the socket's directory {path.parent}: {exc.strerror}") from exc
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         if check(path):
