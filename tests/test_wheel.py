@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from grpc_tools import protoc
 
-from tests.wheel import ROOT, build_wheel, clean_env, wheel_venv
+from tests.wheel import ROOT, build_wheel, clean_env, export_head, pip_wheel, wheel_venv
 
 # Another checkout's HEAD instead of this one's (to see these tests fail on older code).
 REPO = Path(os.environ.get("EDGE_AGENT_WHEEL_REPO", str(ROOT)))
@@ -115,6 +115,23 @@ def test_wheel_carries_the_shipped_files() -> None:
             assert f"agent/data/{path}" in names, path
     for path in committed_names("agent/models/demo"):
         assert path in names, path
+
+
+def test_sdist_builds_the_same_wheel(tmp_path: Path) -> None:
+    """``pip install .`` from a source export, by way of the sdist (MANIFEST.in): the wheel it
+    makes holds the same files as the one built from the export itself."""
+    src = export_head(tmp_path / "src", REPO)
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from setuptools import build_meta as b; "
+         "print(b.build_sdist(sys.argv[1]))", str(tmp_path / "sdist")],
+        capture_output=True, text=True, cwd=src,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    sdist = tmp_path / "sdist" / done.stdout.split()[-1]
+    wheel = pip_wheel(sdist, tmp_path / "dist")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = set(zipfile.ZipFile(build_wheel(CACHE, REPO)).namelist())
+    assert names == expected
 
 
 def test_profile_list(installed: Installed) -> None:

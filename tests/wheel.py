@@ -58,6 +58,46 @@ def wheel_key(repo: Path = ROOT) -> str:
     return f"{tree[:16]}-{hashlib.sha256(tools.encode()).hexdigest()[:8]}"
 
 
+def export_head(dest: Path, repo: Path = ROOT) -> Path:
+    """`repo`'s HEAD as ``git archive`` exports it, unpacked into `dest` (created)."""
+    dest.mkdir(parents=True)
+    archive = dest.with_name(dest.name + ".tar")
+    subprocess.run(
+        ["git", "-C", str(repo), "archive", "--format=tar", "-o", str(archive), "HEAD"], check=True
+    )
+    with tarfile.open(archive) as tar:
+        tar.extractall(dest, filter="data")
+    archive.unlink()
+    return dest
+
+
+def pip_wheel(source: Path, out: Path) -> Path:
+    """``pip wheel`` of a source tree or sdist into `out`, with this interpreter's build tools."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "-q",
+            "-w",
+            str(out),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=source.parent,
+    )
+    wheels = sorted(out.glob("edge_agent-*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(f"pip wheel made {wheels} in {out}")
+    return wheels[0]
+
+
 def build_wheel(cache_dir: Path, repo: Path = ROOT) -> Path:
     """The wheel of `repo`'s HEAD (``cache_dir/<key>/edge_agent-*.whl``), built once per key.
 
@@ -72,37 +112,8 @@ def build_wheel(cache_dir: Path, repo: Path = ROOT) -> Path:
         if found:
             return found[0]
         with tempfile.TemporaryDirectory(prefix="edge-agent-wheel-") as tmp:
-            src, archive = Path(tmp) / "src", Path(tmp) / "head.tar"
-            src.mkdir()
-            subprocess.run(
-                ["git", "-C", str(repo), "archive", "--format=tar", "-o", str(archive), "HEAD"],
-                check=True,
-            )
-            with tarfile.open(archive) as tar:
-                tar.extractall(src, filter="data")
-            staging = Path(tmp) / "dist"
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pip",
-                    "wheel",
-                    "--no-deps",
-                    "--no-build-isolation",
-                    "--disable-pip-version-check",
-                    "-q",
-                    "-w",
-                    str(staging),
-                    str(src),
-                ],
-                check=True,
-                capture_output=True,
-                text=True,
-                cwd=tmp,
-            )
-            wheels = sorted(staging.glob("edge_agent-*.whl"))
-            if len(wheels) != 1:
-                raise RuntimeError(f"pip wheel made {wheels} in {staging}")
+            src = export_head(Path(tmp) / "src", repo)
+            wheels = [pip_wheel(src, Path(tmp) / "dist")]
             partial = cache_dir / f".{key}.partial"
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir()
