@@ -119,7 +119,22 @@ def build_wheel(cache_dir: Path, repo: Path = ROOT) -> Path:
             partial.mkdir()
             shutil.copy2(wheels[0], partial / wheels[0].name)
             partial.rename(out)  # the key directory appears only with a whole wheel in it
+        _prune(cache_dir, keep=KEEP_WHEELS)
         return out / wheels[0].name
+
+
+KEEP_WHEELS = 3  # each carries the demo model (~12 MB); a new commit makes a new one
+
+
+def _prune(cache_dir: Path, keep: int) -> None:
+    """Remove all but the `keep` newest wheel directories (``<tree>-<tools>``)."""
+    built = sorted(
+        (d for d in cache_dir.iterdir() if d.is_dir() and list(d.glob("edge_agent-*.whl"))),
+        key=lambda d: d.stat().st_mtime,
+        reverse=True,
+    )
+    for old in built[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def dependencies_key(repo: Path = ROOT) -> str:
