@@ -351,3 +351,40 @@ def test_a_model_that_fails_is_exit_1(tiny_model_factory, tmp_path: Path) -> Non
         assert "non-finite logits" in one_line(r.stderr)
     finally:
         assert daemon.stop() == 0, daemon.read_log()
+
+
+def test_a_truncate_session_drops_history_to_fit_an_explicit_max_tokens(daemon: Daemon) -> None:
+    """Policy truncate: a turn whose max_tokens does not fit beside the history drops old turns
+    (the first kept) until it does; one that cannot fit even then is refused, the session as
+    it was."""
+    ctx = load_model_dir(demo_model_dir()).context_length
+
+    def tokens(sid: str) -> int:
+        rows = json.loads(client(daemon, "session", "list", "--json").stdout)["sessions"]
+        return next(int(s["tokens"]) for s in rows if s["id"] == sid)
+
+    def turn(sid: str, text: str, n: int) -> subprocess.CompletedProcess[str]:
+        return client(daemon, "generate", text, "--session", sid, "--max-tokens", str(n), "--json")
+
+    sid = json.loads(client(daemon, "session", "create", "--policy", "truncate", "--json").stdout)[
+        "id"
+    ]
+    assert turn(sid, "# system prompt\n", 2).returncode == 0
+    filler = "x = 1\n" * 40
+    while tokens(sid) < ctx // 2:
+        r = turn(sid, filler, 4)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["stats"]["truncated_tokens"] == 0
+    held = tokens(sid)
+    want = ctx - held + 8  # does not fit beside the whole history
+    r = turn(sid, "\n", want)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["stats"]["truncated_tokens"] > 0 and len(doc["tokens"]) <= want
+    kept = tokens(sid) - len(doc["tokens"])  # what the turn was prefilled beside
+    assert kept + want <= ctx
+    before = tokens(sid)
+    r = turn(sid, "\n", ctx)  # cannot fit beside even the first turn
+    assert r.returncode == 2 and "beyond the model's context" in one_line(r.stderr)
+    assert tokens(sid) == before
+    assert client(daemon, "session", "delete", sid).returncode == 0
