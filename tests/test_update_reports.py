@@ -14,8 +14,8 @@ import pytest
 
 from agent.fleet.operator import FleetError, send
 from agent.fleet.topics import Topics
+from agent.ota.faults import UNREPORTED
 from agent.ota.store import Store
-from agent.ota.updater import UNREPORTED
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from tests import test_updates

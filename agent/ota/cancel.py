@@ -11,7 +11,7 @@ cancelled update id is finished on the device: a replayed cancel finds nothing t
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from google.protobuf.message import DecodeError
@@ -102,3 +102,36 @@ def verify_cancel(
             f"the cancel is issued {cancel.issued_unix - now:.0f} s in the future; check the clock",
         )
     return cancel, kid
+
+
+def check_cancellable(
+    cancel: opb.Cancel,
+    running: opb.UpdateRecord | None,
+    last: opb.UpdateRecord | None,
+    cancellable: Sequence[int],
+) -> None:
+    """Raise UpdateRejected unless `cancel` names the update in progress (`running`, its
+    record; None when none runs; `last`: the last record) and it is in a `cancellable` state:
+    "not_in_progress", "too_late"."""
+    R = opb.UpdateRecord
+    if running is None:
+        if last is None:
+            where = "no update ever ran"
+        else:
+            last_id = opb.Manifest.FromString(last.signed.manifest).update_id
+            where = f"the last one, {last_id}, is {R.State.Name(last.state).lower()}"
+        raise UpdateRejected(
+            "not_in_progress", f"update {cancel.update_id} is not in progress here ({where})"
+        )
+    running_id = opb.Manifest.FromString(running.signed.manifest).update_id
+    if running_id != cancel.update_id:
+        raise UpdateRejected(
+            "not_in_progress",
+            f"update {cancel.update_id} is not in progress here ({running_id} is)",
+        )
+    if running.state not in cancellable:
+        raise UpdateRejected(
+            "too_late",
+            f"update {running_id} is {R.State.Name(running.state).lower()}: the new model is "
+            "loading or serving; it commits or rolls back by itself",
+        )

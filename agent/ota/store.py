@@ -136,6 +136,16 @@ class Store:
     def payload_path(self, update_id: str) -> Path:
         return self.payloads / f"{update_id}.part"
 
+    def remove_built(self, built: Path, keep: list[Path]) -> None:
+        """Delete `built` (and a partial `built.staging`) if it is a model directory of this
+        store and not one of `keep`: what an update that did not commit leaves."""
+        if built.parent != self.models or any(k.resolve() == built.resolve() for k in keep):
+            return
+        for d in (built, built.with_name(built.name + ".staging")):
+            if d.exists():
+                shutil.rmtree(d, ignore_errors=True)
+                log.info("model store: removed %s (the update ended)", d.name)
+
     def remove_unused(self, keep: list[Path]) -> None:
         """Delete model directories and payloads nothing refers to any more."""
         keep_set = {p.resolve() for p in keep}

@@ -37,7 +37,8 @@ from agent.config import UpdatesConfig
 from agent.errors import AgentError
 from agent.modeldir import sha256_file
 from agent.ota import delta, keys, manifest
-from agent.ota.cancel import verify_cancel
+from agent.ota.cancel import check_cancellable, verify_cancel
+from agent.ota.faults import CRASH_ENV, UNREPORTED, crash_point, crash_when_written
 from agent.ota.fetch import (
     HTTP_TIMEOUT_S,
     BlockSource,
@@ -47,6 +48,7 @@ from agent.ota.fetch import (
     fetch_blocks,
     fetch_http,
 )
+from agent.ota.reports import Reports, manifest_of
 from agent.ota.store import Installed, ModelRef, Store
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
@@ -56,8 +58,6 @@ log = logging.getLogger(__name__)
 R = opb.UpdateRecord
 Phase = fpb.UpdateStatus
 FINAL = (R.COMMITTED, R.ROLLED_BACK, R.REJECTED)
-CRASH_ENV = "EDGE_AGENT_OTA_CRASH_AT"  # tests: SIGKILL ourselves on entering this state
-UNREPORTED = "unreported-"  # + a state: SIGKILL between saving the record and its report
 CANCELLABLE = (R.RECEIVED, R.DOWNLOADING, R.VERIFIED, R.STAGED)  # before the new model loads
 
 
@@ -99,7 +99,7 @@ class Updater:
         self._stop = threading.Event()
         self._wake: asyncio.Event | None = None  # cuts the pause between download attempts
         self._cancel = ""  # why the update in progress was cancelled (set by `cancel`)
-        self._pending: list[tuple[fpb.UpdateStatus, str]] = []
+        self.reports = Reports(self.installed)
 
     # ------------------------------------------------------------------ state
 
@@ -111,7 +111,7 @@ class Updater:
 
     def last_status(self) -> fpb.UpdateStatus | None:
         rec = self.store.record()
-        return self._status(rec) if rec is not None else None
+        return self.reports.status(rec) if rec is not None else None
 
     # ------------------------------------------------------------------ boot
 
@@ -121,7 +121,7 @@ class Updater:
         inst = self.installed()
         if rec is not None and rec.state not in (*FINAL, R.STATE_UNSPECIFIED):
             # the state a crash interrupted may be unreported; `attach` sends it (once)
-            self._report(rec, rec.reason, rec.reason_code)
+            self.reports.transition(rec, rec.reason, rec.reason_code)
         if rec is not None and rec.state == R.ACTIVATING:
             target = self._manifest(rec).target_model_sha256
             if inst.current.sha256 == target:  # the switch happened: this start is a trial start
@@ -148,11 +148,11 @@ class Updater:
         good = inst.last_good
         if good is not None and good.verify() is None:
             self.store.switch(Installed(good, None, inst.finished))
-            self._report_text(fpb.UpdateStatus.ROLLED_BACK, f"active model refused: {problem}")
+            self.reports.text(fpb.UpdateStatus.ROLLED_BACK, f"active model refused: {problem}")
             return good
         if inst.current != self.shipped and self.shipped.verify() is None:
             self.store.switch(Installed(self.shipped, None, inst.finished))
-            self._report_text(fpb.UpdateStatus.ROLLED_BACK, f"active model refused: {problem}")
+            self.reports.text(fpb.UpdateStatus.ROLLED_BACK, f"active model refused: {problem}")
             return self.shipped
         raise AgentError(f"no usable model: {problem}")
 
@@ -168,7 +168,7 @@ class Updater:
         self.store.switch(rolled)
         self._remove_built(rec)
         if report:
-            self._report(rec, reason)
+            self.reports.transition(rec, reason)
         return rolled
 
     # ------------------------------------------------------------------ entry points
@@ -178,17 +178,15 @@ class Updater:
         (recorded once: a crash may have come between the record and its report), and say if
         the trusted keys are unusable."""
         self.host = host
-        pending, self._pending = self._pending, []
-        for status, key in pending:
-            host.report(status, key)
+        self.reports.attach(host.report)
         rec = self.store.record()
         if rec is not None and rec.state != R.STATE_UNSPECIFIED:
-            self._report(rec, rec.reason, rec.reason_code)
+            self.reports.transition(rec, rec.reason, rec.reason_code)
         try:
             if self.config.trusted_keys_dir.is_dir():  # (a missing one is logged at an offer)
                 keys.load_trusted(self.config.trusted_keys_dir)
         except keys.KeyFileError as exc:
-            self._reject_status("", "trusted_keys", f"{exc}; every update is refused until fixed")
+            self.reports.rejected("", "trusted_keys", f"{exc}; every update is refused until fixed")
 
     async def resume(self) -> None:
         """Once serving: continue an interrupted update, or finish the cleanup of an ended one
@@ -211,27 +209,27 @@ class Updater:
         try:
             signed = opb.SignedManifest.FromString(signed_bytes)
         except Exception as exc:
-            return self._reject_status("", "malformed", f"malformed SignedManifest: {exc}")
+            return self.reports.rejected("", "malformed", f"malformed SignedManifest: {exc}")
         busy = self.store.record()
         if busy is not None and busy.state not in FINAL and self._task is not None:
             m = self._manifest(busy)
-            return self._reject_status(
+            return self.reports.rejected(
                 "", "busy", f"update {m.update_id} is in progress ({R.State.Name(busy.state)})"
             )
         try:
             trusted = keys.load_trusted(self.config.trusted_keys_dir)
         except keys.KeyFileError as exc:  # the device's configuration, not the update
-            return self._reject_status("", "trusted_keys", str(exc))
+            return self.reports.rejected("", "trusted_keys", str(exc))
         try:
             m = manifest.verify(signed, trusted)
         except manifest.UpdateRejected as exc:
-            return self._reject_status("", exc.code, exc.message)
+            return self.reports.rejected("", exc.code, exc.message)
         inst = self.installed()
         assert self.host is not None
         try:
             manifest.check(m, self.host.install_context(inst.current), time.time())
         except manifest.UpdateRejected as exc:
-            return self._reject_status(m.update_id, exc.code, exc.message, m)
+            return self.reports.rejected(m.update_id, exc.code, exc.message, m)
         rec = R(
             signed=signed,
             state=R.RECEIVED,
@@ -241,7 +239,7 @@ class Updater:
         )
         self.store.save(rec)
         crash_point(UNREPORTED + "received")
-        status = self._report(rec, rec.reason)
+        status = self.reports.transition(rec, rec.reason)
         crash_point("received")
         self._start(rec)
         return status
@@ -257,26 +255,10 @@ class Updater:
         cancel, kid = verify_cancel(signed_bytes, trusted, time.time())
         rec = self.store.record()
         task = self._task
-        if rec is None or rec.state in FINAL or task is None or task.done():
-            last = f"the last one, {self._manifest(rec).update_id}, " if rec is not None else ""
-            state = R.State.Name(rec.state).lower() if rec is not None else ""
-            raise manifest.UpdateRejected(
-                "not_in_progress",
-                f"update {cancel.update_id} is not in progress here"
-                + (f" ({last}is {state})" if last else " (no update ever ran)"),
-            )
+        running = rec is not None and task is not None and not task.done()
+        check_cancellable(cancel, rec if running else None, rec, CANCELLABLE)
+        assert rec is not None and task is not None
         m = self._manifest(rec)
-        if m.update_id != cancel.update_id:
-            raise manifest.UpdateRejected(
-                "not_in_progress",
-                f"update {cancel.update_id} is not in progress here ({m.update_id} is)",
-            )
-        if rec.state not in CANCELLABLE:
-            raise manifest.UpdateRejected(
-                "too_late",
-                f"update {m.update_id} is {R.State.Name(rec.state).lower()}: the new model is "
-                "loading or serving; it commits or rolls back by itself",
-            )
         self._cancel = f"cancelled by the operator (key {kid})" + (
             f": {cancel.reason}" if cancel.reason else ""
         )
@@ -347,7 +329,7 @@ class Updater:
                 crash_point("mid-download")
             if limit.ready(force=have == m.payload_size):
                 self.store.save(rec)
-                self._report(rec, f"{have} of {m.payload_size} bytes", progress=True)
+                self.reports.progress(rec, f"{have} of {m.payload_size} bytes")
 
         while True:
             if time.time() >= m.expires_unix:
@@ -405,7 +387,7 @@ class Updater:
         rec.staged_model_dir = str(target)
         self.store.save(rec)
         if os.environ.get(CRASH_ENV) == "mid-staging":
-            _crash_when_written(staging)
+            crash_when_written(staging)
         files = await asyncio.to_thread(delta.patch_dirs, base, part, staging)
         want = {f.name: (f.sha256, f.size) for f in m.files}
         got = {name: (sha, size) for name, sha, size in files}
@@ -471,7 +453,7 @@ class Updater:
             os._exit(1)  # the pointer names the old model: a restart serves it
         self.store.remove_unused([Path(inst.current.model_dir)])
         self.host.remove_unused_caches()
-        self._report(rec, reason)
+        self.reports.transition(rec, reason)
 
     def _check_cancel(self) -> None:
         if self._cancel:
@@ -491,7 +473,7 @@ class Updater:
         rec.reason = message
         self.store.save(rec)
         crash_point(UNREPORTED + R.State.Name(state).lower())
-        self._report(rec, message)
+        self.reports.transition(rec, message)
         crash_point(R.State.Name(state).lower())
 
     def _finish(
@@ -505,7 +487,7 @@ class Updater:
         if state in (R.REJECTED, R.ROLLED_BACK):
             self._complete(rec)
         if report:
-            self._report(rec, message, code)
+            self.reports.transition(rec, message, code)
         (log.info if state == R.COMMITTED else log.warning)(
             "update %s: %s: %s", self._manifest(rec).update_id, R.State.Name(state), message
         )
@@ -528,98 +510,17 @@ class Updater:
             self._remove_built(rec)
 
     def _remove_built(self, rec: opb.UpdateRecord) -> None:
-        """Delete the model directory this update built (and a partial `.staging` one) once
-        nothing names it: not the serving model, the last known good or the previous one."""
-        if not rec.staged_model_dir:
-            return
-        built = Path(rec.staged_model_dir)
-        if built.parent != self.store.models:  # not a directory the updater made
-            return
-        inst = self.installed()
-        keep = {inst.current.model_dir, rec.previous_model_dir}
-        if inst.last_good is not None:
-            keep.add(inst.last_good.model_dir)
-        if any(Path(k).resolve() == built.resolve() for k in keep if k):
-            return
-        for d in (built, built.with_name(built.name + ".staging")):
-            if d.exists():
-                shutil.rmtree(d, ignore_errors=True)
-                log.info("model store: removed %s (the update ended)", d.name)
-
-    def _status(self, rec: opb.UpdateRecord, message: str = "", code: str = "") -> fpb.UpdateStatus:
-        m = self._manifest(rec)
-        current = self.installed().current
-        return fpb.UpdateStatus(
-            update_id=m.update_id,
-            phase=fpb.UpdateStatus.Phase.Value(R.State.Name(rec.state)),
-            message=message or rec.reason,
-            reason_code=code or rec.reason_code,
-            from_version=rec.from_version or str(current.label or current.version),
-            to_version=m.version_label or str(m.version),
-            timestamp_unix=time.time(),
-            downloaded_bytes=rec.downloaded,
-            total_bytes=m.payload_size,
-        )
-
-    def _report(
-        self, rec: opb.UpdateRecord, message: str, code: str = "", progress: bool = False
-    ) -> fpb.UpdateStatus:
-        """Report the record's state; a transition (not `progress`) carries the key that makes
-        its report recorded once however often it is sent."""
-        status = self._status(rec, message, code)
-        key = "" if progress else f"update/{status.update_id}/{R.State.Name(rec.state)}"
-        self._send(status, key)
-        return status
-
-    def _report_text(self, phase: fpb.UpdateStatus.Phase, message: str) -> None:
-        self._send(fpb.UpdateStatus(phase=phase, message=message, timestamp_unix=time.time()))
-
-    def _send(self, status: fpb.UpdateStatus, key: str = "") -> None:
-        """To the host, or kept until `attach` (reports made by `boot`)."""
-        if self.host is None:
-            self._pending.append((status, key))
-        else:
-            self.host.report(status, key)
-
-    def _reject_status(
-        self, update_id: str, code: str, message: str, m: opb.Manifest | None = None
-    ) -> fpb.UpdateStatus:
-        status = fpb.UpdateStatus(
-            update_id=update_id,
-            phase=fpb.UpdateStatus.REJECTED,
-            message=message,
-            reason_code=code,
-            to_version=(m.version_label or str(m.version)) if m is not None else "",
-            timestamp_unix=time.time(),
-        )
-        log.warning("update %s rejected (%s): %s", update_id or "?", code, message)
-        self._send(status)
-        return status
+        """Delete the model directory this update built once nothing names it: not the serving
+        model, the last known good or the one the update started from."""
+        if rec.staged_model_dir:
+            inst = self.installed()
+            keep = [inst.current.model_dir, rec.previous_model_dir]
+            keep += [inst.last_good.model_dir] if inst.last_good is not None else []
+            self.store.remove_built(Path(rec.staged_model_dir), [Path(k) for k in keep if k])
 
     @staticmethod
     def _manifest(rec: opb.UpdateRecord) -> opb.Manifest:
-        m: opb.Manifest = opb.Manifest.FromString(rec.signed.manifest)
-        return m
-
-
-def crash_point(name: str) -> None:
-    """Fault injection for the crash tests: SIGKILL ourselves when entering state `name`."""
-    if os.environ.get(CRASH_ENV) == name and os.environ.get("EDGE_AGENT_FAULT_INJECTION") == "1":
-        log.warning("fault injection: SIGKILL at %s", name)
-        os.kill(os.getpid(), 9)
-
-
-def _crash_when_written(staging: Path) -> None:
-    """Fault injection: SIGKILL once the patcher has written bytes into the staging dir."""
-
-    def watch() -> None:
-        while True:
-            files = list(staging.glob("*")) if staging.is_dir() else []
-            if any(f.stat().st_size > 0 for f in files if f.is_file()):
-                crash_point("mid-staging")
-            time.sleep(0.001)
-
-    threading.Thread(target=watch, daemon=True).start()
+        return manifest_of(rec)
 
 
 def _size(path: Path) -> int:
