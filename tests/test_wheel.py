@@ -44,18 +44,20 @@ class Installed:
     def exe(self) -> str:
         return str(self.venv / "bin" / "edge-agent")
 
-    def run(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, *args: str, timeout: float = 300, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [self.exe, *args],
             capture_output=True,
             text=True,
             cwd=self.work,
-            env=clean_env(self.home),
+            env={**clean_env(self.home), **(env or {})},
             timeout=timeout,
         )
 
-    def ok(self, *args: str) -> str:
-        done = self.run(*args)
+    def ok(self, *args: str, env: dict[str, str] | None = None) -> str:
+        done = self.run(*args, env=env)
         assert done.returncode == 0, f"edge-agent {' '.join(args)}: {done.stderr[-2000:]}"
         return done.stdout
 
@@ -142,6 +144,18 @@ def test_profile_list(installed: Installed) -> None:
     assert pi5 == {**json.loads(checkout("profile", "show", "raspberry-pi-5", "--json")),
                    "source": pi5["source"], "reasons": pi5["reasons"]}  # fmt: skip
     assert Path(pi5["source"]).is_relative_to(installed.venv)
+
+
+def test_profiles_dir_override(installed: Installed, tmp_path: Path) -> None:
+    """$EDGE_AGENT_PROFILES_DIR still wins over the package's own profiles."""
+    (tmp_path / "my-board.toml").write_bytes(
+        committed("firmware_profiles/raspberry-pi-4.toml").replace(
+            b'name = "raspberry-pi-4"', b'name = "my-board"'
+        )
+    )
+    env = {"EDGE_AGENT_PROFILES_DIR": str(tmp_path)}
+    listed = json.loads(installed.ok("profile", "list", "--json", env=env))["profiles"]
+    assert [p["name"] for p in listed] == ["my-board"]
 
 
 def _generate(run: Callable[..., str], *extra: str) -> dict[str, Any]:
