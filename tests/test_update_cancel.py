@@ -9,9 +9,10 @@ import pytest
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from agent.ota.cancel import CANCEL_CONTEXT, sign_cancel, verify_cancel
+from agent.ota.cancel import CANCEL_CONTEXT, check_cancellable, sign_cancel, verify_cancel
 from agent.ota.keys import key_id
 from agent.ota.manifest import UpdateRejected, canonical, sign
+from agent.ota.updater import CANCELLABLE
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 KEY = Ed25519PrivateKey.generate()
@@ -77,3 +78,29 @@ def test_every_refusal_has_its_code() -> None:
     assert code(bad.SerializeToString()) == "inconsistent"
     with pytest.raises(ValueError):
         sign_cancel("../etc", [KEY])
+
+
+def test_only_the_update_in_progress_before_its_model_loads_can_be_cancelled() -> None:
+    R = opb.UpdateRecord
+    m = opb.Manifest(format_version=1, update_id="u-42", model_name="demo", version=2)
+    cancel = opb.Cancel(update_id="u-42", issued_unix=1.0, expires_unix=2.0)
+
+    def record(state: int, update_id: str = "u-42") -> opb.UpdateRecord:
+        other = opb.Manifest(format_version=1, update_id=update_id, model_name="demo", version=2)
+        return R(signed=opb.SignedManifest(manifest=canonical(other)), state=state)  # type: ignore[arg-type]
+
+    def refusal(running: opb.UpdateRecord | None, last: opb.UpdateRecord | None) -> str:
+        try:
+            check_cancellable(cancel, running, last, CANCELLABLE)
+        except UpdateRejected as exc:
+            return exc.code
+        return ""
+
+    assert canonical(m) == record(R.RECEIVED).signed.manifest
+    for state in (R.RECEIVED, R.DOWNLOADING, R.VERIFIED, R.STAGED):
+        assert refusal(record(state), record(state)) == ""
+    for state in (R.ACTIVATING, R.TRIAL):
+        assert refusal(record(state), record(state)) == "too_late"
+    assert refusal(record(R.DOWNLOADING, "u-7"), record(R.DOWNLOADING, "u-7")) == "not_in_progress"
+    assert refusal(None, record(R.REJECTED)) == "not_in_progress"  # a replay after the cancel
+    assert refusal(None, None) == "not_in_progress"
