@@ -61,6 +61,7 @@ FOOTPRINT_ORDER: Final = (
     "int8",
     "mixed",
     "int8_weight_only",  # int8 on disk, dequantized to float when it loads
+    "fp16",  # half the file of fp32, dequantized to float when it loads
     "fp32",
 )
 # tflite-runtime 2.14 cannot run int4 blockwise graphs (EMBEDDING_LOOKUP type error, FACTS.md),

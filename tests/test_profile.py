@@ -367,7 +367,7 @@ BAD_PROFILES: list[tuple[str, Callable[[dict[str, Any]], None], str, object, str
         _set("model", "quantization", "int3"),
         "model.quantization",
         "int3",
-        "'auto', 'fp32', 'int8', 'int4_block32'",
+        "'auto', 'fp32', 'fp16', 'int8', 'int4_block32'",
     ),
     (
         "model-path-relative",
