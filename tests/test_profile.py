@@ -673,6 +673,7 @@ def test_preference_order_is_documented_order() -> None:
         "int8",
         "mixed",
         "int8_weight_only",
+        "fp16",
         "fp32",
     )
     assert quantization_preference(3 * GiB) == (
@@ -682,6 +683,7 @@ def test_preference_order_is_documented_order() -> None:
         "int4_block128",
         "mixed",
         "int8_weight_only",
+        "fp16",
         "fp32",
     )
     assert quantization_preference(5 * GiB) == (
@@ -691,6 +693,7 @@ def test_preference_order_is_documented_order() -> None:
         "int4_block64",
         "int4_block128",
         "int8_weight_only",
+        "fp16",
         "fp32",
     )
     assert quantization_preference(1 * GiB, "tflite-runtime") == ("int8_weight_only", "fp32")
