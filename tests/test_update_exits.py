@@ -118,6 +118,27 @@ def test_a_short_payload_is_given_up_after_the_attempts_even_across_a_restart(
         watch.close()
 
 
+def test_an_mqtt_block_download_nobody_serves_is_given_up(models, trusted, broker, tmp_path):
+    """No URL and no `publish-update` answering block requests: every attempt fails the same
+    way (no block within the timeout); the device does not wait for the manifest's expiry."""
+    path = bundle(models, tmp_path, version=2)  # blocks over MQTT; only the manifest is sent
+    device = "dev-noblocks"
+    watch = Observer(broker, "ota-noblocks")
+    d = _daemon(tmp_path, models, broker, trusted, device, max_download_attempts=2)
+    try:
+        resp = send(options(broker), PREFIX, device, "update", {}, _signed(path), 30)
+        assert resp.update.phase == Phase.RECEIVED, resp
+        _wait(lambda: _final(watch, device) is not None, timeout=90, what="no final status")
+        final = _final(watch, device)
+        assert final is not None and final.phase == Phase.REJECTED, final
+        assert final.reason_code == "payload" and "2 download attempts" in final.message, final
+        assert "no block at offset 0" in final.message, final
+        assert d.client().info()["version"] == "1.0.0"
+    finally:
+        d.stop()
+        watch.close()
+
+
 def test_a_signed_cancel_stops_a_stuck_download_and_nothing_else_does(
     models, trusted, broker, tmp_path
 ):
