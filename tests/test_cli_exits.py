@@ -316,27 +316,9 @@ def test_a_request_the_daemon_cancels_is_exit_7(tmp_path: Path) -> None:
 
 def test_a_model_that_fails_is_exit_1(tiny_model_factory, tmp_path: Path) -> None:
     """A model whose logits are NaN ends every request with an error: exit 1, never 0."""
-    import shutil
+    from tests.test_prepared_check import nan_model_dir
 
-    from agent.modeldir import write_model_dir_metadata
-    from tests.test_prepared_check import _poison
-
-    src = tiny_model_factory.model_dir(quantizations=("fp32",), prefill_lens=(8,), kv_max=64)
-    d = tmp_path / "nan-model"
-    shutil.copytree(src, d)
-    _poison(src / "model_fp32.tflite", d / "model_fp32.tflite")
-    meta = load_model_dir(src)
-    write_model_dir_metadata(
-        d,
-        name=meta.name,
-        version=meta.version,
-        context_length=meta.context_length,
-        bos_id=meta.bos_id,
-        eos_id=meta.eos_id,
-        stop_token_ids=meta.stop_token_ids,
-        chat_template=meta.chat_template,
-        variants=[("model_fp32.tflite", "fp32")],
-    )
+    d = nan_model_dir(tiny_model_factory, tmp_path)
     r = cli("generate", "hello", "--model", str(d), "--max-tokens", "4", "--json")
     assert r.returncode == exitcodes.FAILED == 1, r.stderr
     doc = json.loads(r.stdout)

@@ -192,12 +192,8 @@ def _poison(src: Path, dst: Path) -> None:
     fu.write_model(model, str(dst))
 
 
-def test_non_finite_logits_end_the_request_with_an_error_never_a_token(
-    tiny_model_factory, make_profile, tmp_path
-) -> None:
-    from agent.engine.engine import Engine
-    from agent.engine.sampler import SamplingParams
-    from agent.engine.types import GenerateRequest
+def nan_model_dir(tiny_model_factory, tmp_path: Path) -> Path:
+    """A model directory (fp32, tiny) whose every logit is NaN, with metadata that matches it."""
     from agent.modeldir import load_model_dir, write_model_dir_metadata
 
     src = tiny_model_factory.model_dir(quantizations=("fp32",), prefill_lens=(8,), kv_max=64)
@@ -216,6 +212,17 @@ def test_non_finite_logits_end_the_request_with_an_error_never_a_token(
         chat_template=meta.chat_template,
         variants=[("model_fp32.tflite", "fp32")],
     )
+    return d
+
+
+def test_non_finite_logits_end_the_request_with_an_error_never_a_token(
+    tiny_model_factory, make_profile, tmp_path
+) -> None:
+    from agent.engine.engine import Engine
+    from agent.engine.sampler import SamplingParams
+    from agent.engine.types import GenerateRequest
+
+    d = nan_model_dir(tiny_model_factory, tmp_path)
     profile = make_profile(runtime={"xnnpack_weight_cache_dir": str(tmp_path / "x")})
     engine = Engine(profile, d, state_dir=tmp_path / "state")
     try:
