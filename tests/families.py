@@ -447,7 +447,8 @@ def _build_one(root: Path, combo: Combo) -> str:
 def _build_converter_check(root: Path, quantization: str) -> str:
     t0 = time.monotonic()
     FamilyFactory(root).converter_quantized(CONVERTER_CHECK, quantization)
-    return f"{CONVERTER_CHECK.id} converted with {quantization} in {time.monotonic() - t0:.1f}s"
+    recipe = CONVERTER_RECIPES[quantization]
+    return f"{CONVERTER_CHECK.id} quantize={recipe} ready in {time.monotonic() - t0:.1f}s"
 
 
 def prebuild(

@@ -364,4 +364,8 @@ if __name__ == "__main__":  # python -m tests.tiny_models: fill EDGE_AGENT_TINY_
     target = cache_root()
     if target is None:
         raise SystemExit("set EDGE_AGENT_TINY_CACHE to the directory the tests will use")
-    prebuild(target, max(1, min(len(os.sched_getaffinity(0)), 4)))
+    jobs = max(1, min(len(os.sched_getaffinity(0)), 4))
+    prebuild(target, jobs)
+    from tests import families  # then the model-family matrix (tests/test_families.py)
+
+    families.prebuild(families.cache_root() or target, min(jobs, 2))
