@@ -8,10 +8,10 @@ edge-agent code takes part in it. Against it:
 
 1. the reference itself: finite logits, greedy tokens that are not all one id;
 2. edge-agent's greedy tokens, (a) in-process on the prepared copy (a profile with
-   ``xnnpack_weight_cache_dir``: composites inlined, KV windows added, as on every board and
-   in the daemon), (b) through the daemon over gRPC, (c) from a session that moves to the host
-   tier and to the disk tier between its turns, against the reference over the whole
-   conversation;
+   ``xnnpack_weight_cache_dir``, as on every board and in the daemon: composites inlined and
+   a KV window of 256 where the runtime adds them), (b) through the daemon over gRPC, (c) from
+   a session that moves to the host tier and to the disk tier between its turns, against the
+   reference over the whole conversation;
 3. the prepared copy's logits (its full-length and window signatures, run by the same plain
    loop) against the original's, teacher-forced, within a tolerance derived from the
    quantization.
