@@ -31,6 +31,7 @@ import numpy.typing as npt
 from agent.errors import AcceleratorError, BudgetError, ModelFormatError, RuntimeFailure
 from agent.profile import DeviceProfile
 from agent.runtime import check
+from agent.runtime.cpufeatures import aarch64_without_lse
 from agent.runtime.layout import (
     ModelLayout,
     Signature,
@@ -718,6 +719,14 @@ def load(
     if profile.runtime.backend == LEGACY_BACKEND:
         check_legacy_compatible(model, path, layout)
         prefer_interpreter = True  # tflite-runtime has no CompiledModel
+    elif not prefer_interpreter and aarch64_without_lse():
+        # CompiledModel's environment loads a LiteRT library that aborts without LSE atomics
+        log.info(
+            "this CPU has no LSE atomics (e.g. Cortex-A72/A53): running %s on the "
+            "Interpreter, not CompiledModel (agent/runtime/cpufeatures.py)",
+            path.name,
+        )
+        prefer_interpreter = True
     plan = plan_memory(model, layout, profile)
     check_budget(plan, profile, path)
     chain = list(profile.runtime.accelerators)
