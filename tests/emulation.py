@@ -239,6 +239,7 @@ def _pip(emulator: Emulator, *args: str | Path, exe: Path | None = None) -> None
         "install",
         "--disable-pip-version-check",
         "--no-cache-dir",
+        "--no-compile",  # byte-compiling everything under emulation costs minutes; imports do it
         "-q",
         "--only-binary=:all:",
         *args,
