@@ -325,6 +325,8 @@ def test_in_process_greedy_tokens_equal_the_reference(model: Model, engine: Any)
     sampling, n = greedy(N_TOKENS)
     got = engine.complete(GenerateRequest(PROMPT, max_tokens=n, sampling=sampling))
     assert engine.encode_prompt(GenerateRequest(PROMPT)) == model.prompt_ids
+    # what served is the runtime's prepared copy, not the file as exported
+    assert not engine.info.prepared.startswith(("none", "refused")), engine.info.prepared
     assert list(got.token_ids) == list(model.ref.tokens[0])
 
 
