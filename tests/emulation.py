@@ -47,11 +47,14 @@ class RootSpec:
     arch: str
     include: tuple[str, ...]
     foreign: bool  # first stage only, unpacked with dpkg -x (for an emulated architecture)
+    # (link, target) pairs a maintainer script would make (update-alternatives); dpkg -x runs none
+    links: tuple[tuple[str, str], ...] = ()
 
 
 ARM64 = RootSpec("arm64", "arm64", ("python3", "python3-venv", "libpython3.11"), foreign=True)
-# 32-bit Raspberry Pi OS route: numpy, sentencepiece, zstandard and cffi (cryptography's) have no
-# armv7l wheel on the package index, so they come from Debian's armhf packages (docs/SYSTEMD.md).
+# 32-bit Raspberry Pi OS route: numpy, sentencepiece, zstandard, cffi (cryptography's) and PyYAML
+# (huggingface-hub's, for tokenizers) have no armv7l wheel on the package index, so they come from
+# Debian's armhf packages (docs/SYSTEMD.md).
 ARMHF = RootSpec(
     "armhf",
     "armhf",
@@ -63,8 +66,13 @@ ARMHF = RootSpec(
         "python3-sentencepiece",
         "python3-zstandard",
         "python3-cffi",
+        "python3-yaml",
     ),
     foreign=True,
+    links=(
+        ("usr/lib/arm-linux-gnueabihf/libblas.so.3", "blas/libblas.so.3"),
+        ("usr/lib/arm-linux-gnueabihf/liblapack.so.3", "lapack/liblapack.so.3"),
+    ),
 )
 # procps: the unit's ExecReload is /bin/kill (every standard Debian and Raspberry Pi OS install has
 # it; minbase does not); python3-systemd: journald fields without building systemd-python
@@ -125,6 +133,7 @@ def root_key(spec: RootSpec) -> str:
         spec.arch,
         ",".join(spec.include),
         str(spec.foreign),
+        repr(spec.links),
         mirror(),
         _version("debootstrap"),
         _version("qemu-user-static") if spec.foreign else "",
@@ -160,6 +169,10 @@ def build_root(spec: RootSpec) -> Path:
         if spec.foreign:
             for deb in debs:
                 _run(["dpkg-deb", "-x", deb, partial])
+            for link, target in spec.links:
+                if not (partial / link).parent.joinpath(target).exists():
+                    raise RuntimeError(f"{spec.name}: {target} (for {link}) is not in the root")
+                (partial / link).symlink_to(target)
         (partial / ".edge-agent-root").write_text("\n".join(d.name for d in debs) + "\n")
         partial.rename(final)
         for stale in cache_dir().glob(f"{spec.name}-{SUITE}-{spec.arch}-*"):
@@ -207,6 +220,7 @@ class Emulator:
         self.prepare()
         out = subprocess.run(
             self.python(*args, exe=exe),
+            cwd=self.root,  # not the checkout: `-m agent` would import it from the cwd
             env=dict(env) if env is not None else None,
             capture_output=True,
             text=True,

@@ -201,13 +201,16 @@ def model(installed: Installed, request: pytest.FixtureRequest) -> Path | None:
 def test_the_emulated_machine_is_the_board(installed: Installed, tmp_path: Path) -> None:
     t = installed.target
     code = (
-        "import platform, importlib.util as u; print(platform.machine()); "
+        "import agent, platform, importlib.util as u; print(platform.machine()); "
         "print(u.find_spec('ai_edge_litert') is not None, "
-        "u.find_spec('tflite_runtime') is not None)"
+        "u.find_spec('tflite_runtime') is not None); print(agent.__file__)"
     )
     out = installed.run("-c", code, home=tmp_path)
-    machine, backends = out.stdout.splitlines()
+    machine, backends, package = out.stdout.splitlines()
     assert machine == t.machine
+    # the installed wheel's package, never this checkout's
+    assert not Path(package).is_relative_to(ROOT / "agent"), package
+    assert "/sites/" in package, package
     # the backend the package's markers pick: ai-edge-litert on arm64, tflite-runtime on 32 bit
     assert backends == ("False True" if t.legacy else "True False")
     # the cpuinfo the emulated process reads is the board's (XNNPACK's CPU detection reads it)
@@ -277,6 +280,7 @@ def test_the_emulated_daemon_serves_an_x86_64_client(
     with open(log, "w") as err:
         daemon = subprocess.Popen(
             installed.command(*args),
+            cwd=installed.emulator.root,  # not the checkout (see Emulator.run)
             env=installed.env(tmp_path / "home"),
             stdout=subprocess.DEVNULL,
             stderr=err,
