@@ -343,6 +343,10 @@ def problems() -> list[str]:
 
 def main(argv: Sequence[str]) -> int:
     """Build the named roots (default: all) two at a time; print one line per root."""
+    found = problems()
+    if found:  # the tests say so themselves, and fail; the rest of the suite can still run
+        print(f"[emulation] not built: {'; '.join(found)}", flush=True)
+        return 0
     names = set(argv) or {s.name for s in ROOTS}
     specs = [s for s in ROOTS if s.name in names]
     with ThreadPoolExecutor(max_workers=2) as pool:
