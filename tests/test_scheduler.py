@@ -127,7 +127,7 @@ def test_queue_full_is_refused_and_counted(engine_factory) -> None:
     engine = engine_factory(EngineLimits(max_active=1, queue_capacity=1, max_pending_events=2))
     held = []
     # a consumer that never reads: the running request pauses after 2 events, keeps its slot
-    held.append(engine.submit(_req(n=200), lambda e: None))
+    held.append(engine.submit(_req(n=100), lambda e: None))
     deadline = time.monotonic() + 10
     while engine.stats().active < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -145,7 +145,7 @@ def test_queue_full_is_refused_and_counted(engine_factory) -> None:
 
 def test_a_slow_consumer_does_not_stall_others(engine_factory) -> None:
     engine = engine_factory(EngineLimits(max_active=2, max_pending_events=2))
-    stuck = engine.submit(_req(n=200), lambda e: None)  # never consumed
+    stuck = engine.submit(_req(n=100), lambda e: None)  # never consumed
     done = engine.complete(_req(n=30))
     assert done.finish_reason == "length" and len(done.token_ids) == 30
     stuck.cancel()
@@ -155,7 +155,7 @@ def test_a_slow_consumer_does_not_stall_others(engine_factory) -> None:
 def test_deadline_ends_the_request(engine_factory) -> None:
     engine = engine_factory(EngineLimits(max_active=1, max_pending_events=1))
     got = []
-    h = engine.submit(_req(n=500), got.append, timeout=0.2)  # never consumed: it stalls
+    h = engine.submit(_req(n=100), got.append, timeout=0.2)  # never consumed: it stalls
     assert h.done.wait(10)
     assert got[-1].finish_reason == "cancelled" and got[-1].error == "deadline exceeded"
 
