@@ -303,6 +303,31 @@ def x86_reference(tmp: Path, max_tokens: int) -> list[int]:
     return list(json.loads(out.stdout)["tokens"])
 
 
+def _in_flight(c: Container) -> subprocess.Popen[str]:
+    """alice's 1000-token greedy request, once its first text has streamed (it is running)."""
+    inflight = subprocess.Popen(
+        c.command(
+            f"{VENV}/bin/edge-agent",
+            "client",
+            "generate",
+            PROMPT,
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "1000",
+            "--timeout",
+            "120",
+            user="alice",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert inflight.stdout is not None
+    inflight.stdout.read(1)
+    return inflight
+
+
 def test_the_unit_lifecycle_under_systemd(container: Container, tmp_path: Path) -> None:
     c = container
     # install as the docs say, from the venv; then the test-only fault switch in a local drop-in
@@ -354,26 +379,7 @@ def test_the_unit_lifecycle_under_systemd(container: Container, tmp_path: Path) 
     assert "Traceback" not in bob.stderr
 
     # reload (SIGHUP) with a request in flight: same process, same socket, the request completes
-    inflight = subprocess.Popen(
-        c.command(
-            f"{VENV}/bin/edge-agent",
-            "client",
-            "generate",
-            PROMPT,
-            "--temperature",
-            "0",
-            "--max-tokens",
-            "1000",
-            "--timeout",
-            "120",
-            user="alice",
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert inflight.stdout is not None
-    inflight.stdout.read(1)  # the first streamed text: the request is running
+    inflight = _in_flight(c)
     reload = c.run("systemctl", "reload", "edge-agent", timeout=120)
     _, err = inflight.communicate(timeout=180)
     assert reload.returncode == 0, reload.stderr
@@ -425,26 +431,7 @@ def test_the_unit_lifecycle_under_systemd(container: Container, tmp_path: Path) 
     assert client(c, "alice", "health").returncode == 0, restarted
 
     # stop with a request in flight: it drains (the request completes), the daemon exits 0
-    inflight = subprocess.Popen(
-        c.command(
-            f"{VENV}/bin/edge-agent",
-            "client",
-            "generate",
-            PROMPT,
-            "--temperature",
-            "0",
-            "--max-tokens",
-            "1000",
-            "--timeout",
-            "120",
-            user="alice",
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert inflight.stdout is not None
-    inflight.stdout.read(1)
+    inflight = _in_flight(c)
     stop = c.run("systemctl", "stop", "edge-agent", timeout=120)
     _, err = inflight.communicate(timeout=180)
     assert stop.returncode == 0, stop.stderr
