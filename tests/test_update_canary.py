@@ -5,7 +5,6 @@ commits; `--no-canary` opts out."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import platform
@@ -22,35 +21,27 @@ from google.protobuf.json_format import MessageToDict
 from agent.modeldir import demo_model_dir, load_model_dir
 from agent.ota import canary, keys
 from agent.ota.bundle import make_bundle, read_bundle
-from agent.ota.cli import add_keys_parser, add_update_parser
 from agent.ota.manifest import verify
 from agent.profile import resolve_profile
 from tests.broker import Mosquitto
+from tests.test_bundle import _run
 from tests.test_fleet import PREFIX, Observer, options
-from tests.test_updates import Models, _copy_variant, _fine_tune, start, statuses
+from tests.test_updates import (
+    Models,
+    _copy_variant,
+    _fine_tune,
+    int8_weight_spans,
+    start,
+    statuses,
+)
 
 PROFILE = "generic-aarch64" if platform.machine() == "aarch64" else "generic-x86_64"
 
 
 def _randomize_int8(path: Path) -> None:
     """Every int8 weight buffer replaced by random int8 values: finite logits, garbage text."""
-    from ai_edge_litert import schema_py_generated as schema
-
     data = bytearray(path.read_bytes())
-    fb = schema.Model.GetRootAs(bytes(data), 0)
-    spans = set()
-    for g in range(fb.SubgraphsLength()):
-        sg = fb.Subgraphs(g)
-        for t in range(sg.TensorsLength()):
-            tensor = sg.Tensors(t)
-            if tensor.Type() != schema.TensorType.INT8 or tensor.Buffer() <= 0:
-                continue
-            b = fb.Buffers(tensor.Buffer())
-            vec = b._tab.Offset(4)
-            if vec and b._tab.VectorLen(vec) > 1024:
-                spans.add((b._tab.Vector(vec), b._tab.VectorLen(vec)))
-            elif b.Size() > 1024:
-                spans.add((b.Offset(), b.Size()))
+    spans = int8_weight_spans(data)
     assert spans
     rng = np.random.default_rng(11)
     for start_, length in spans:
@@ -79,17 +70,6 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         _write_meta(d, demo, version)
         out[name] = d
     return out
-
-
-def _run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="edge-agent")
-    parser.add_argument("--profile")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_keys_parser(sub)
-    add_update_parser(sub)
-    args = parser.parse_args(argv)
-    rc: int = args.func(args)
-    return rc
 
 
 def _make(dirs: dict[str, Path], tmp: Path, new: str, *extra: str) -> list[str]:

@@ -53,11 +53,11 @@ def _copy_variant(src: Path, dst: Path, version: str) -> None:
     write_meta(dst, meta, version)
 
 
-def _fine_tune(path: Path, fraction: float = 0.1) -> None:
-    """Nudge the weights of some int8 tensors by ±1, as a fine-tune and requantize would."""
+def int8_weight_spans(data: bytes | bytearray) -> set[tuple[int, int]]:
+    """(offset, length) in the file of every int8 weight buffer over 1 KiB (inline or outside
+    the flatbuffer)."""
     from ai_edge_litert import schema_py_generated as schema
 
-    data = bytearray(path.read_bytes())
     fb = schema.Model.GetRootAs(bytes(data), 0)
     spans = set()
     for g in range(fb.SubgraphsLength()):
@@ -72,6 +72,13 @@ def _fine_tune(path: Path, fraction: float = 0.1) -> None:
                 spans.add((b._tab.Vector(vec), b._tab.VectorLen(vec)))
             elif b.Size() > 1024:
                 spans.add((b.Offset(), b.Size()))
+    return spans
+
+
+def _fine_tune(path: Path, fraction: float = 0.1) -> None:
+    """Nudge the weights of some int8 tensors by ±1, as a fine-tune and requantize would."""
+    data = bytearray(path.read_bytes())
+    spans = int8_weight_spans(data)
     assert spans, "no int8 weight buffers"
     rng = np.random.default_rng(7)
     for start, length in sorted(spans)[: max(1, int(len(spans) * fraction))]:
