@@ -38,7 +38,7 @@ from agent.fleet.mqtt import (
 )
 from agent.fleet.outbox import Outbox
 from agent.fleet.topics import COMMAND_RE, Topics
-from agent.kv.atomic import atomic_write_bytes
+from agent.fsutil import atomic_write_bytes
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 

@@ -30,7 +30,7 @@ from typing import Final
 
 from google.protobuf.message import DecodeError
 
-from agent.kv.atomic import atomic_write_bytes, is_temp
+from agent.fsutil import atomic_write_bytes, is_temp
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 
 log = logging.getLogger(__name__)

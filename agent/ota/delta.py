@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
-from agent.kv.atomic import TEMP_SUFFIX, atomic_write
+from agent.fsutil import TEMP_SUFFIX, atomic_write
 from agent.modeldir import sha256_file
 from agent.ota.delta_apply import apply_ops
 from agent.ota.delta_diff import DEFAULT_LEVEL, Counts, OpWriter, diff_regions, diff_whole

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.kv.atomic import atomic_write_bytes
+from agent.fsutil import atomic_write_bytes
 from agent.modeldir import load_model_dir, sha256_file
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
