@@ -10,10 +10,12 @@ an error.
 from __future__ import annotations
 
 import ipaddress
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 from agent.errors import ConfigError
 from agent.tomltable import Table
@@ -130,6 +132,10 @@ class Broker:
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{'mqtts' if self.tls else 'mqtt'}://{host}:{self.port}"
+
+
+# device ids become topic levels and usernames in the broker's ACL (%u): no wildcards, no '/'
+DEVICE_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,11 +326,8 @@ def _parse_fleet(t: Table, source: str) -> FleetConfig:
     d = FleetConfig()
     broker_text = t.optional_text("broker")
     device = t.optional_text("device_id")
-    if device is not None:
-        from agent.fleet.topics import DEVICE_ID_RE
-
-        if not DEVICE_ID_RE.fullmatch(device):
-            raise t.error("device_id", device, "1-128 of A-Z a-z 0-9 _ . : - (no / + #)")
+    if device is not None and not DEVICE_ID_RE.fullmatch(device):
+        raise t.error("device_id", device, "1-128 of A-Z a-z 0-9 _ . : - (no / + #)")
     prefix = t.optional_text("topic_prefix") or d.topic_prefix
     if any(c in prefix for c in "+#") or prefix.startswith("/") or prefix.endswith("/"):
         raise t.error("topic_prefix", prefix, "topic levels without wildcards, e.g. fleet/v1")

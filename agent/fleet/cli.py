@@ -20,10 +20,17 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
-from agent.config import BROKER_FORMAT, MQTT_PROTOCOLS, FleetConfig, load_config, parse_broker
+from agent.config import (
+    BROKER_FORMAT,
+    DEVICE_ID_RE,
+    MQTT_PROTOCOLS,
+    FleetConfig,
+    load_config,
+    parse_broker,
+)
 from agent.errors import AgentError
 from agent.fleet.mqtt import MqttOptions
-from agent.fleet.topics import COMMAND_RE, DEVICE_ID_RE
+from agent.fleet.topics import COMMAND_RE
 from agent.fleet.watch import HealthInfo, health_info, render, summary, to_json
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
 

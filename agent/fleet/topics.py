@@ -6,10 +6,10 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
+from agent.config import DEVICE_ID_RE
+
 DEFAULT_PREFIX: Final = "fleet/v1"
 CONTENT_TYPE: Final = "application/x-protobuf"
-# device ids become topic levels and usernames in the broker's ACL (%u): no wildcards, no '/'
-DEVICE_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 COMMAND_RE: Final = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 KINDS: Final = ("state", "health", "event", "cmd", "resp", "update")
 UPDATE_TOPICS: Final = ("status", "block", "data")
