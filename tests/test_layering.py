@@ -1,0 +1,313 @@
+"""The house rules of `agent/`, checked from the code's own imports (docs/ARCHITECTURE.md).
+
+A *part* is a subpackage (``agent.engine``) or a top-level module (``agent.errors``) of `agent`.
+Every import between two parts must be in `ALLOWED`: the flow is one way, profile → runtime →
+engine → kv, with rpc, fleet and ota as adapters around it and the daemon and the CLI as the
+only places that wire parts together. Imports inside functions and under ``TYPE_CHECKING`` count:
+a lazy import is still an arrow. No two modules may import each other, directly or around a
+circle. LiteRT is imported by the runtime only, and wire types (our protobuf messages, gRPC,
+MQTT) stop at the adapters.
+
+Run ``python tests/test_layering.py`` to print every violation.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+AGENT = Path(__file__).resolve().parent.parent / "agent"
+GENERATED = ("pb",)  # protoc's output: not hand-written, not checked
+
+ANYTHING = frozenset({"*"})
+
+# part → the parts (or single modules, "part.module") it may import. Keep it short: a new arrow
+# is a design decision, and this table is where it is written down.
+ALLOWED: Mapping[str, frozenset[str]] = {
+    "agent": frozenset(),  # the package's __init__: __version__
+    "errors": frozenset(),
+    "exitcodes": frozenset({"errors"}),
+    "fsutil": frozenset({"errors"}),
+    "tomltable": frozenset({"errors"}),
+    "systemd": frozenset({"errors"}),
+    "shipped": frozenset({"agent"}),
+    "statelock": frozenset({"errors", "fsutil"}),
+    "pb": frozenset(),
+    "_protogen": frozenset(),
+    "models": frozenset(),
+    "modeldir": frozenset({"errors", "fsutil", "shipped"}),
+    "profile": frozenset({"errors", "modeldir", "shipped", "tomltable"}),
+    "userdirs": frozenset({"profile"}),
+    "config": frozenset({"errors", "tomltable"}),
+    "units": frozenset({"errors", "profile", "shipped", "tomltable"}),
+    "runtime": frozenset({"errors", "fsutil", "modeldir", "profile", "userdirs"}),
+    "kv": frozenset({"errors", "fsutil"}),
+    "engine": frozenset({"errors", "kv", "modeldir", "profile", "runtime"}),
+    "status": frozenset({"engine.types", "engine.stats"}),
+    "modelimport": frozenset({"errors", "fsutil", "modeldir", "runtime", "engine"}),
+    "toolchain": frozenset({"agent", "modeldir"}),
+    "rpc": frozenset({"config", "engine", "errors", "exitcodes", "fsutil", "pb", "status"}),
+    # the operator side publishes signed bundles (ota); ota never imports fleet
+    "fleet": frozenset(
+        {"agent", "config", "errors", "fsutil", "pb", "status", "engine.types", "engine.stats",
+         "rpc.convert", "ota"}
+    ),
+    "ota": frozenset({"config", "errors", "fsutil", "modeldir", "pb", "runtime.schema"}),
+    # the composition roots
+    "daemon": ANYTHING,
+    "cli": ANYTHING,
+    "__main__": ANYTHING,
+}
+
+LITERT = ("ai_edge_litert", "tflite_runtime")
+LITERT_IMPORTERS = ("runtime", "toolchain")  # toolchain: the optional export extra, never served
+WIRE = ("agent.pb", "grpc", "paho")  # google.protobuf alone also reads file formats (.litertlm)
+WIRE_IMPORTERS = ("rpc", "fleet", "ota", "daemon", "cli", "_protogen", "pb")
+
+MAX_LINES = 450  # "no hand-written module over ~400 lines"
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # the importing module, dotted
+    target: str  # the imported module (or package), dotted
+    line: int
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules(root: Path) -> dict[str, Path]:
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).parts
+        if rel[0] in GENERATED or "__pycache__" in rel or "_shim" in rel:
+            continue
+        found[module_name(root, path)] = path
+    return found
+
+
+def imports(name: str, path: Path, known: Mapping[str, Path]) -> Iterator[Import]:
+    """Every import in the module, at any depth, resolved to the module it names."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield Import(name, alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                yield Import(name, sub if sub in known else target, node.lineno)
+
+
+def part(module: str) -> str:
+    pieces = module.split(".")
+    return pieces[1] if len(pieces) > 1 else pieces[0]
+
+
+def allowed(source_part: str, target: str) -> bool:
+    rules = ALLOWED.get(source_part, frozenset())
+    if rules is ANYTHING:
+        return True
+    inner = target.split(".", 1)[1] if "." in target else target
+    return any(inner == rule or inner.startswith(rule + ".") for rule in rules) or (
+        target == "agent" and "agent" in rules
+    )
+
+
+def layering_violations(root: Path = AGENT) -> list[str]:
+    known = modules(root)
+    found = []
+    for name, path in known.items():
+        src = part(name)
+        if src not in ALLOWED:
+            found.append(f"{path}: part {src!r} is not in tests/test_layering.py's ALLOWED table")
+            continue
+        for imp in imports(name, path, known):
+            if not (imp.target == root.name or imp.target.startswith(root.name + ".")):
+                continue
+            dst = part(imp.target)
+            if dst != src and not allowed(src, imp.target):
+                found.append(f"{path}:{imp.line}: {src} must not import {imp.target}")
+    return found
+
+
+def cycles(root: Path = AGENT) -> list[list[str]]:
+    """Each import circle between modules, once (found by depth-first search)."""
+    known = modules(root)
+    graph = {
+        name: sorted({i.target for i in imports(name, path, known) if i.target in known} - {name})
+        for name, path in known.items()
+    }
+    # a package's __init__ is imported with each of its modules: an import of the package from
+    # inside it is not a circle unless the __init__ imports back
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+    seen: set[frozenset[str]] = set()
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in graph[node]:
+            if state.get(nxt) == 1:
+                circle = stack[stack.index(nxt) :]
+                if frozenset(circle) not in seen:
+                    seen.add(frozenset(circle))
+                    found.append([*circle, nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for name in graph:
+        if name not in state:
+            visit(name)
+    return found
+
+
+def foreign_importers(root: Path, prefixes: tuple[str, ...], parts: tuple[str, ...]) -> list[str]:
+    known = modules(root)
+    found = []
+    for name, path in known.items():
+        if part(name) in parts:
+            continue
+        for imp in imports(name, path, known):
+            if any(imp.target == p or imp.target.startswith(p + ".") for p in prefixes):
+                found.append(f"{path}:{imp.line}: {part(name)} imports {imp.target}")
+    return found
+
+
+def long_modules(root: Path = AGENT) -> list[str]:
+    return [
+        f"{path}: {n} lines (split it by noun: at most {MAX_LINES})"
+        for path in modules(root).values()
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    ]
+
+
+def test_every_import_between_parts_is_allowed() -> None:
+    assert layering_violations() == []
+
+
+def test_no_import_cycles() -> None:
+    assert cycles() == []
+
+
+def test_only_the_runtime_imports_litert() -> None:
+    assert foreign_importers(AGENT, LITERT, LITERT_IMPORTERS) == []
+
+
+def test_wire_types_stop_at_the_adapters() -> None:
+    assert foreign_importers(AGENT, WIRE, WIRE_IMPORTERS) == []
+
+
+def test_no_hand_written_module_is_too_long() -> None:
+    assert long_modules() == []
+
+
+# The checker itself, on a small package written here: each rule must catch what it names.
+
+
+def _package(tmp_path: Path, files: Mapping[str, str]) -> Path:
+    root = tmp_path / "agent"
+    for rel, text in {"__init__.py": "", **files}.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    return root
+
+
+def test_the_checker_finds_an_arrow_against_the_flow(tmp_path: Path) -> None:
+    root = _package(
+        tmp_path,
+        {
+            "errors.py": "",
+            "kv/__init__.py": "",
+            "kv/lru.py": "from agent.errors import AgentError\n",
+            "engine/__init__.py": "",
+            "engine/engine.py": "from ..kv import lru\n",
+            # a lazy import of the engine by the KV tier: against the flow
+            "kv/disk.py": "def f():\n    from agent.engine.engine import Engine\n",
+            "ota/__init__.py": "",
+            "ota/canary.py": "from agent.engine import engine\n",
+        },
+    )
+    found = layering_violations(root)
+    assert len(found) == 2, found
+    assert any("kv must not import agent.engine.engine" in v for v in found)
+    assert any("ota must not import agent.engine.engine" in v for v in found)
+
+
+def test_the_checker_allows_single_modules_only_where_named(tmp_path: Path) -> None:
+    root = _package(
+        tmp_path,
+        {
+            "engine/__init__.py": "",
+            "engine/types.py": "",
+            "engine/engine.py": "",
+            "status.py": "from agent.engine.types import X\nfrom agent.engine.engine import E\n",
+        },
+    )
+    assert [v.split(": ", 1)[1] for v in layering_violations(root)] == [
+        "status must not import agent.engine.engine"
+    ]
+
+
+def test_the_checker_finds_a_lazy_cycle(tmp_path: Path) -> None:
+    root = _package(
+        tmp_path,
+        {
+            "runtime/__init__.py": "",
+            "runtime/modelfile.py": "def read():\n    from agent.runtime.modelparse import parse\n",
+            "runtime/modelparse.py": "from agent.runtime.modelfile import ModelFile\n",
+            "runtime/other.py": "from agent.runtime import modelfile\n",
+        },
+    )
+    assert cycles(root) == [
+        ["agent.runtime.modelfile", "agent.runtime.modelparse", "agent.runtime.modelfile"]
+    ]
+
+
+def test_the_checker_finds_litert_and_wire_types_out_of_place(tmp_path: Path) -> None:
+    root = _package(
+        tmp_path,
+        {
+            "runtime/__init__.py": "",
+            "runtime/litert.py": "from ai_edge_litert import interpreter\n",
+            "engine/__init__.py": "",
+            "engine/engine.py": "import tflite_runtime.interpreter\nimport grpc\n",
+        },
+    )
+    assert len(foreign_importers(root, LITERT, LITERT_IMPORTERS)) == 1
+    assert len(foreign_importers(root, WIRE, WIRE_IMPORTERS)) == 1
+
+
+def test_the_checker_finds_an_unknown_part_and_a_long_module(tmp_path: Path) -> None:
+    root = _package(tmp_path, {"gadget.py": "x = 1\n" * (MAX_LINES + 1)})
+    assert any("'gadget' is not in" in v for v in layering_violations(root))
+    assert len(long_modules(root)) == 1
+
+
+if __name__ == "__main__":
+    problems = [
+        *layering_violations(),
+        *(" -> ".join(c) for c in cycles()),
+        *foreign_importers(AGENT, LITERT, LITERT_IMPORTERS),
+        *foreign_importers(AGENT, WIRE, WIRE_IMPORTERS),
+        *long_modules(),
+    ]
+    print("\n".join(problems) or "the layering holds")
+    sys.exit(1 if problems else 0)
