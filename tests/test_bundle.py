@@ -33,7 +33,8 @@ from agent.ota.bundle import (
 )
 from agent.ota.cli import add_keys_parser, add_update_parser, parse_duration
 from agent.ota.inspection import describe, inspect
-from agent.ota.manifest import DELTA_FORMAT, InstallContext, check, verify
+from agent.ota.manifest import DELTA_FORMAT, InstallContext, check
+from agent.ota.signing import verify
 
 FILES = ("model_int8.tflite", "tokenizer.model")
 

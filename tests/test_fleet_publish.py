@@ -27,7 +27,7 @@ from agent.config import parse_broker
 from agent.fleet.mqtt import MqttOptions, publish_properties, response_route
 from agent.fleet.topics import Topics, parse
 from agent.ota.bundle import write_bundle
-from agent.ota.manifest import sign
+from agent.ota.signing import sign
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from tests.broker import Mosquitto

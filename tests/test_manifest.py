@@ -22,12 +22,10 @@ from agent.ota.manifest import (
     CODES,
     InstallContext,
     UpdateRejected,
-    canonical,
     check,
-    sign,
-    verify,
     version_tuple,
 )
+from agent.ota.signing import canonical, sign, verify
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 NOW = 1_750_000_000.0

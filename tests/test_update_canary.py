@@ -21,7 +21,7 @@ from google.protobuf.json_format import MessageToDict
 from agent.modeldir import demo_model_dir, load_model_dir
 from agent.ota import canary, keys
 from agent.ota.bundle import make_bundle, read_bundle
-from agent.ota.manifest import verify
+from agent.ota.signing import verify
 from agent.profile import resolve_profile
 from tests.broker import Mosquitto
 from tests.test_bundle import _run

@@ -11,7 +11,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.ota.cancel import CANCEL_CONTEXT, check_cancellable, sign_cancel, verify_cancel
 from agent.ota.keys import key_id
-from agent.ota.manifest import UpdateRejected, canonical, sign
+from agent.ota.manifest import UpdateRejected
+from agent.ota.signing import canonical, sign
 from agent.ota.updater import CANCELLABLE
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 

@@ -25,7 +25,7 @@ from agent.modeldir import load_model_dir
 from agent.ota import keys
 from agent.ota.bundle import make_bundle, read_bundle
 from agent.ota.fetch import CHUNK
-from agent.ota.manifest import sign
+from agent.ota.signing import sign
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from tests.broker import Mosquitto

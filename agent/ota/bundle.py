@@ -25,14 +25,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from agent.errors import AgentError
 from agent.modeldir import METADATA_FILE, ModelMeta, Variant, load_model_dir, sha256_file
 from agent.ota import delta
-from agent.ota.manifest import (
-    FORMAT_VERSION,
-    MAX_MANIFEST_BYTES,
-    UpdateRejected,
-    check_consistent,
-    parse_signed,
-    sign,
-)
+from agent.ota.manifest import FORMAT_VERSION, UpdateRejected, check_consistent
+from agent.ota.signing import MAX_MANIFEST_BYTES, parse_signed, sign
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 log = logging.getLogger(__name__)

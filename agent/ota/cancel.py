@@ -17,7 +17,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from google.protobuf.message import DecodeError
 
 from agent.ota.keys import key_id
-from agent.ota.manifest import CLOCK_SKEW_S, UPDATE_ID_RE, UpdateRejected, authenticate
+from agent.ota.manifest import CLOCK_SKEW_S, UPDATE_ID_RE, UpdateRejected
+from agent.ota.signing import authenticate
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 CANCEL_CONTEXT = b"edge-agent cancel v1\x00"

@@ -1,39 +1,24 @@
-"""Update manifests: canonical bytes, Ed25519 signatures, and the checks before an install.
+"""Update manifests: what an update is, and the checks before an install.
 
 A `Manifest` (proto/edge_agent/ota/v1/ota.proto) says what an update is: the model and its
 monotonic version, every file of the model directory after the update (sha256, size, the base
 file it is rebuilt from), the base variant it applies to, the payload (sha256, size, format),
 its validity window, what it is compatible with, and an optional canary.
 
-Signing: the manifest is serialized deterministically (`canonical`) and each private key signs
-those bytes; `SignedManifest` carries the bytes and one signature per key (key id + Ed25519
-signature), so during a key rotation a manifest can be signed by the old and the new key.
-`verify` authenticates the bytes *before* parsing them as a `Manifest`, then insists that they
-are canonical (re-serializing the parsed message gives the same bytes, no unknown fields).
-
-`check` then decides whether this device may install the update; every refusal is an
-`UpdateRejected` with a stable short `code` (see `CODES`) and a message for people.
+Its signatures are checked first (`agent.ota.signing.verify`); `check` then decides whether
+this device may install the update; every refusal is an `UpdateRejected` with a stable short
+`code` (see `CODES`) and a message for people.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import re
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
-
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from google.protobuf.message import DecodeError
 
 from agent.errors import InvalidRequest
-from agent.ota.keys import key_id
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
-
-log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 DELTA_FORMAT = "ea-delta-1"  # agent.ota.delta.FORMAT
@@ -43,7 +28,6 @@ PAYLOAD_FORMATS = (DELTA_FORMAT, FULL_FORMAT)
 # wrong, or someone is pre-staging updates); clocks on boards without an RTC drift.
 CLOCK_SKEW_S = 86400.0
 DEFAULT_MAX_PAYLOAD_BYTES = 4 << 30
-MAX_MANIFEST_BYTES = 1 << 20
 
 # Stable reason codes, in the order `verify` and `check` test them.
 CODES = (
@@ -92,114 +76,6 @@ class InstallContext:
     agent_version: str
     finished_update_ids: frozenset[str] = frozenset()
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
-
-
-# ----------------------------------------------------------------------------- signing
-
-
-def canonical(manifest: opb.Manifest) -> bytes:
-    """The deterministic serialization of `manifest`: what is signed and what is verified."""
-    data: bytes = manifest.SerializeToString(deterministic=True)
-    return data
-
-
-def sign(manifest: opb.Manifest, private_keys: Iterable[Ed25519PrivateKey]) -> opb.SignedManifest:
-    """Sign the canonical bytes with every key (one signature per distinct key)."""
-    data = canonical(manifest)
-    signed = opb.SignedManifest(manifest=data)
-    seen: set[str] = set()
-    for key in private_keys:
-        kid = key_id(key.public_key())
-        if kid in seen:
-            continue
-        seen.add(kid)
-        signed.signatures.add(key_id=kid, signature=key.sign(data))
-    if not seen:
-        raise ValueError("sign() needs at least one private key")
-    return signed
-
-
-def parse_signed(data: bytes) -> opb.SignedManifest:
-    """Parse a serialized SignedManifest (UpdateRejected "malformed" if it does not parse)."""
-    signed = opb.SignedManifest()
-    try:
-        signed.ParseFromString(data)
-    except DecodeError as exc:
-        raise UpdateRejected("malformed", f"the signed manifest does not parse: {exc}") from exc
-    return signed
-
-
-def verify(
-    signed: opb.SignedManifest | bytes, trusted: Mapping[str, Ed25519PublicKey]
-) -> opb.Manifest:
-    """The authenticated Manifest, if at least one signature is by a trusted key and valid.
-
-    Raises UpdateRejected: "malformed", "unknown_key", "bad_signature", "not_canonical".
-    """
-    if isinstance(signed, bytes):
-        signed = parse_signed(signed)
-    data = signed.manifest
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise UpdateRejected(
-            "malformed", f"the manifest is {len(data)} bytes (limit {MAX_MANIFEST_BYTES})"
-        )
-    authenticate(signed.signatures, data, trusted, "manifest")
-    manifest = opb.Manifest()
-    try:
-        manifest.ParseFromString(data)
-    except DecodeError as exc:
-        raise UpdateRejected("malformed", f"the manifest does not parse: {exc}") from exc
-    manifest.DiscardUnknownFields()
-    if canonical(manifest) != data:
-        raise UpdateRejected("not_canonical", "manifest bytes are not canonical")
-    return manifest
-
-
-def authenticate(
-    signatures: Iterable[opb.Signature],
-    data: bytes,
-    trusted: Mapping[str, Ed25519PublicKey],
-    what: str,
-) -> str:
-    """The id of a trusted key with a valid signature over `data` (a `what`: "manifest").
-
-    Raises UpdateRejected: "unknown_key", "bad_signature".
-    """
-    signatures = list(signatures)
-    ids = [s.key_id for s in signatures]
-    bad: list[str] = []
-    good = ""
-    for sig in signatures:
-        key = trusted.get(sig.key_id)
-        if key is None:
-            continue
-        try:
-            key.verify(sig.signature, data)
-        except InvalidSignature:
-            bad.append(sig.key_id)
-            continue
-        good = sig.key_id
-        break
-    if not good:
-        if bad:
-            raise UpdateRejected("bad_signature", f"bad signature by key {', '.join(bad)}")
-        if not trusted:
-            raise UpdateRejected(
-                "unknown_key",
-                f"not signed by a trusted key (key ids: {', '.join(ids) or 'none'}); "
-                "no trusted keys are configured",
-            )
-        raise UpdateRejected(
-            "unknown_key",
-            f"not signed by a trusted key (key ids: {', '.join(ids) or 'none'}; "
-            f"trusted: {', '.join(sorted(trusted))})",
-        )
-    if bad:
-        log.warning("%s has a bad signature by key %s (accepted by %s)", what, bad, good)
-    return good
-
-
-# ----------------------------------------------------------------------------- checks
 
 
 def version_tuple(text: str) -> tuple[int, ...] | None:
@@ -400,49 +276,3 @@ def check(manifest: opb.Manifest, ctx: InstallContext, now: float) -> None:
                 "agent_too_old",
                 f"the update needs agent {m.min_agent_version}, this is {ctx.agent_version}",
             )
-
-
-# ----------------------------------------------------------------------------- display
-
-
-def manifest_to_dict(m: opb.Manifest) -> dict[str, Any]:
-    """Every field of a manifest as a JSON-ready dict (ints stay ints)."""
-    doc: dict[str, Any] = {
-        "format_version": m.format_version,
-        "update_id": m.update_id,
-        "model_name": m.model_name,
-        "version": m.version,
-        "version_label": m.version_label,
-        "quantization": m.quantization,
-        "base_model_sha256": m.base_model_sha256,
-        "target_model_sha256": m.target_model_sha256,
-        "files": [
-            {
-                "name": f.name,
-                "sha256": f.sha256,
-                "size": f.size,
-                "base_sha256": f.base_sha256,
-                "base_size": f.base_size,
-            }
-            for f in m.files
-        ],
-        "payload_sha256": m.payload_sha256,
-        "payload_size": m.payload_size,
-        "payload_format": m.payload_format,
-        "payload_url": m.payload_url,
-        "issued_unix": m.issued_unix,
-        "expires_unix": m.expires_unix,
-        "compatible_profiles": list(m.compatible_profiles),
-        "compatible_arch": list(m.compatible_arch),
-        "min_agent_version": m.min_agent_version,
-        "canary": None,
-        "metadata_json": m.metadata_json,
-    }
-    if m.HasField("canary"):
-        doc["canary"] = {
-            "prompt": m.canary.prompt,
-            "expected_tokens": list(m.canary.expected_tokens),
-            "logits_sha256": m.canary.logits_sha256,
-            "logits_decimals": m.canary.logits_decimals,
-        }
-    return doc

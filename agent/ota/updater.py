@@ -36,7 +36,7 @@ from typing import Protocol
 from agent.config import UpdatesConfig
 from agent.errors import AgentError
 from agent.modeldir import sha256_file
-from agent.ota import delta, keys, manifest
+from agent.ota import delta, keys, manifest, signing
 from agent.ota.cancel import check_cancellable, verify_cancel
 from agent.ota.faults import CRASH_ENV, UNREPORTED, crash_point, crash_when_written
 from agent.ota.fetch import (
@@ -221,7 +221,7 @@ class Updater:
         except keys.KeyFileError as exc:  # the device's configuration, not the update
             return self.reports.rejected("", "trusted_keys", str(exc))
         try:
-            m = manifest.verify(signed, trusted)
+            m = signing.verify(signed, trusted)
         except manifest.UpdateRejected as exc:
             return self.reports.rejected("", exc.code, exc.message)
         inst = self.installed()
