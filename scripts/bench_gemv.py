@@ -10,7 +10,7 @@ the toolchain's own `quantize_bytes` (int8 per channel, int4 block 32: the weigh
 LLMs), run through ai-edge-litert's CompiledModel on the XNNPACK CPU path exactly as
 `_CompiledRunner` does.
 Reports ms per pass and the weight bytes streamed per second, next to the measured read
-bandwidth (`bench_peer.read_bandwidth`) in the same run.
+bandwidth (`scripts/peer/roofline.py`'s `read_bandwidth`) in the same run.
 
 Models are built once (no lock) into .cache/models/gemv/; timing holds an exclusive flock on
 /tmp/bench.lock and alternates quantizations and thread counts within every round.
@@ -187,7 +187,7 @@ def inspect_model(path: Path) -> dict[str, Any]:
     plus, for blockwise weights, 2 bytes per block scale (the file holds them as an fp16
     tensor [out, in/32]; XNNPACK's blockwise kernels read 16-bit scales too). Per-channel
     scales (int8: one fp32 per output channel, ~0.6% more) are not counted, as in the
-    roofline of bench_peer.
+    roofline of bench_peer (`scripts/peer/roofline.py`).
     """
     from agent.runtime.modelfile import read_model_file
     from agent.runtime.schema import schema
@@ -382,7 +382,7 @@ def _quiet(
 
 
 def _bandwidth(threads: int) -> dict[str, Any]:
-    from scripts.bench_peer import read_bandwidth
+    from scripts.peer.roofline import read_bandwidth
 
     with CpuMeter() as meter:
         gbps = read_bandwidth(threads)
