@@ -19,7 +19,8 @@ from paho.mqtt.properties import Properties
 from agent.config import parse_broker
 from agent.fleet.link import Backoff
 from agent.fleet.mqtt import MqttOptions, payload_type
-from agent.fleet.operator import FleetError, send
+from agent.fleet.operator import send
+from agent.fleet.operator_link import FleetError
 from agent.fleet.topics import Topics
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from tests.broker import OPERATOR, Mosquitto, Pki, make_pki

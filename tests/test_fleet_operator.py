@@ -21,11 +21,14 @@ from paho.mqtt.enums import CallbackAPIVersion
 from agent.config import parse_broker
 from agent.errors import AgentError
 from agent.fleet.cli import add_fleet_parser
+from agent.fleet.digest import Presence
 from agent.fleet.health import read_thermal
 from agent.fleet.mqtt import MqttOptions, publish_properties, response_route
-from agent.fleet.operator import FleetError, send, watch
+from agent.fleet.operator import send, watch
+from agent.fleet.operator_link import FleetError
+from agent.fleet.render import render, to_json
 from agent.fleet.topics import Topics, parse
-from agent.fleet.watch import FleetView, Presence, render, to_json
+from agent.fleet.view import FleetView
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
 from agent.pb.edge_agent.v1 import agent_pb2
 from tests.broker import OPERATOR, Mosquitto, Pki, make_pki

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from agent.errors import ConfigError, ProfileNotFound
 from agent.modeldir import QUANTIZATIONS
 from agent.profile import (
-    MISSING,
     PROFILES_ENV,
     DeviceProfile,
     KVConfig,
@@ -31,6 +30,7 @@ from agent.profile import (
     quantization_preference,
     resolve_profile,
 )
+from agent.tomltable import MISSING
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.fleet.operator import FleetError, send
+from agent.fleet.operator import send
+from agent.fleet.operator_link import FleetError
 from agent.fleet.topics import Topics
 from agent.ota.faults import UNREPORTED
 from agent.ota.store import Store

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from agent.fleet.operator import FleetError, send
+from agent.fleet.operator import send
+from agent.fleet.operator_link import FleetError
 from agent.fleet.publish import publish_update
 from agent.fleet.topics import Topics
 from agent.modeldir import load_model_dir

@@ -29,9 +29,10 @@ from agent.config import (
     parse_broker,
 )
 from agent.errors import AgentError
+from agent.fleet.digest import HealthInfo, health_info
 from agent.fleet.mqtt import MqttOptions
+from agent.fleet.render import render, summary, to_json
 from agent.fleet.topics import COMMAND_RE
-from agent.fleet.watch import HealthInfo, health_info, render, summary, to_json
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
 
 EXIT_FAILED = 1
@@ -100,7 +101,8 @@ def _connection_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_fleet_watch(args: argparse.Namespace) -> int:
-    from agent.fleet.operator import FleetError, watch
+    from agent.fleet.operator import watch
+    from agent.fleet.operator_link import FleetError
 
     try:
         opts, fleet = _connection(args)
@@ -218,7 +220,8 @@ def _status_lines(h: HealthInfo) -> list[str]:
 
 
 def cmd_fleet_send(args: argparse.Namespace) -> int:
-    from agent.fleet.operator import FleetError, send
+    from agent.fleet.operator import send
+    from agent.fleet.operator_link import FleetError
 
     try:
         opts, fleet = _connection(args)
@@ -276,7 +279,7 @@ def status_json(device: str, st: pb.UpdateStatus) -> dict[str, Any]:
 
 
 def cmd_fleet_publish_update(args: argparse.Namespace) -> int:
-    from agent.fleet.operator import FleetError
+    from agent.fleet.operator_link import FleetError
     from agent.fleet.publish import online_devices, publish_update, read_offer
     from agent.ota.bundle import BundleError
 
@@ -328,7 +331,8 @@ def cmd_fleet_publish_update(args: argparse.Namespace) -> int:
 
 def cmd_fleet_cancel_update(args: argparse.Namespace) -> int:
     """Sign a cancel of update `args.update_id` and send it to each device (docs/UPDATES.md)."""
-    from agent.fleet.operator import FleetError, send
+    from agent.fleet.operator import send
+    from agent.fleet.operator_link import FleetError
     from agent.ota.cancel import sign_cancel
     from agent.ota.cli import parse_duration
     from agent.ota.keys import load_private

@@ -13,10 +13,11 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 from google.protobuf.message import DecodeError
 
+from agent.fleet.digest import Presence
 from agent.fleet.mqtt import MqttOptions, publish_properties
-from agent.fleet.operator import FleetError, _client_id, _Link, send, watch
+from agent.fleet.operator import send, watch
+from agent.fleet.operator_link import FleetError, _client_id, _Link
 from agent.fleet.topics import Topics, parse
-from agent.fleet.watch import Presence
 from agent.ota.bundle import BundleError, Payload, read_bundle
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
