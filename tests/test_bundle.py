@@ -16,6 +16,8 @@ import pytest
 from ai_edge_litert import schema_py_generated as schema
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from agent.cli.common import parse_duration
+from agent.cli.update import add_keys_parser, add_update_parser
 from agent.modeldir import (
     ModelMeta,
     demo_model_dir,
@@ -31,7 +33,6 @@ from agent.ota.bundle import (
     make_bundle,
     read_bundle,
 )
-from agent.ota.cli import add_keys_parser, add_update_parser, parse_duration
 from agent.ota.inspection import describe, inspect
 from agent.ota.manifest import DELTA_FORMAT, InstallContext, check
 from agent.ota.signing import verify
@@ -410,6 +411,7 @@ def test_cli_update_make_errors_are_one_line(
 def test_cli_update_make_with_a_canary(
     dirs: Dirs, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from agent.cli.canary import engine_model
     from agent.engine.engine import Engine
     from agent.ota import canary
     from agent.profile import resolve_profile
@@ -427,7 +429,7 @@ def test_cli_update_make_with_a_canary(
     m = verify(signed, keys.load_trusted(tmp_path))
     engine = Engine(resolve_profile(profile)[0], dirs.new)
     try:
-        assert canary.check(engine, m.canary) is None  # the device's check passes
+        assert canary.check(engine_model(engine), m.canary) is None  # the device's check passes
     finally:
         engine.close()
 

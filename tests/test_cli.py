@@ -157,7 +157,7 @@ def test_bad_client_key_is_refused_before_connecting(tmp_path: Path) -> None:
 
 
 def test_session_table() -> None:
-    from agent.cli import session_table
+    from agent.cli.client import session_table
     from agent.rpc.client import SessionEntry
 
     now = 1_000_000.0

@@ -18,9 +18,9 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
+from agent.cli.fleet import add_fleet_parser
 from agent.config import parse_broker
 from agent.errors import AgentError
-from agent.fleet.cli import add_fleet_parser
 from agent.fleet.digest import Presence
 from agent.fleet.health import read_thermal
 from agent.fleet.mqtt import MqttOptions, publish_properties, response_route

@@ -407,7 +407,7 @@ def test_fp16_is_not_fp32(variants: dict[str, Path]) -> None:
 def test_progress_lines_for_large_files(capsys: pytest.CaptureFixture[str]) -> None:
     """What `model import` prints on stderr while it copies and hashes: a line per 10% of a
     file of 16 MiB or more, nothing for smaller ones."""
-    from agent.cli import _import_progress
+    from agent.cli.model import _import_progress
 
     show = _import_progress()
     mib = 1 << 20

@@ -167,18 +167,19 @@ def test_update_make_refuses_a_garbage_model_unless_told_no_canary(
 
 
 def test_the_devices_check_tells_a_fine_tune_from_garbage(dirs: dict[str, Path]) -> None:
+    from agent.cli.canary import engine_model
     from agent.engine.engine import Engine
 
     profile = resolve_profile(PROFILE)[0]
     base = Engine(profile, dirs["base"])
     try:
-        made = canary.reference_canary(base)
+        made = canary.reference_canary(engine_model(base))
     finally:
         base.close()
     for name, passes in (("base", True), ("tuned", True), ("garbage", False)):
         engine = Engine(profile, dirs[name])
         try:
-            problem = canary.check(engine, made)
+            problem = canary.check(engine_model(engine), made)
         finally:
             engine.close()
         assert (problem is None) == passes, (name, problem)
@@ -202,12 +203,13 @@ def test_a_device_rolls_back_garbage_with_the_default_canary_and_commits_a_fine_
     """What `update make` records by default, for a bundle whose new model is garbage (made
     with the library, which does not run models: a device must not rely on the operator's
     check) and for the fine-tune (made with the CLI)."""
+    from agent.cli.canary import engine_model
     from agent.engine.engine import Engine
     from agent.fleet.publish import publish_update
 
     base = Engine(resolve_profile(PROFILE)[0], dirs["base"])
     try:
-        made = canary.reference_canary(base)
+        made = canary.reference_canary(engine_model(base))
     finally:
         base.close()
     assert _run([*_make(dirs, tmp_path, "tuned"), "--version", "3"]) == 0  # makes k.key

@@ -1,5 +1,6 @@
-"""The canary a new model must pass before it serves: it loads (the caller built the engine),
-its first logits are finite, greedy tokens are in the vocabulary, and it matches the manifest's
+"""The canary a new model must pass before it serves: it loads (the caller built the engine and
+hands the canary a `Model`: callables that run it, so ota never imports the engine), its first
+logits are finite, greedy tokens are in the vocabulary, and it matches the manifest's
 expectation when there is one: the expected greedy tokens, a checksum of the rounded first
 logits, or a bound on its mean negative log-likelihood over the canary prompt.
 
@@ -17,13 +18,11 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from agent.engine.engine import Engine
-from agent.engine.sampler import SamplingParams
-from agent.engine.types import GenerateRequest
 from agent.errors import AgentError
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
@@ -33,6 +32,20 @@ REFERENCE_TOKENS = 48  # greedy tokens of the base model after the seed
 NLL_MARGIN = 0.5  # the bound: this share of the way from the base model's score to ln V
 
 Step = Callable[[int, int], npt.NDArray[np.float32]]  # (token, position) -> next logits
+Greedy = Callable[[str, int], tuple[list[int], str]]  # (prompt, n) -> n greedy tokens, their text
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    """A loaded model as the canary runs it: the caller (the daemon, `update make`) builds these
+    from its engine (`agent.cli.canary.engine_model`). All but `greedy` run on the model's
+    runner directly: check before the engine serves, or on an engine nothing else uses."""
+
+    vocab_size: int
+    encode: Callable[[str], Sequence[int]]  # a prompt's token ids, as the engine encodes one
+    greedy: Greedy  # the engine's greedy completion (temperature 0, no stop sequences)
+    first_logits: Callable[[Sequence[int]], npt.NDArray[np.float32]]  # after ids, fresh KV
+    steps: Callable[[int], Step]  # a step decoding on a fresh KV reserved for n tokens
 
 
 class CanaryError(AgentError):
@@ -45,10 +58,9 @@ def logits_digest(logits: np.ndarray, decimals: int) -> str:
     return hashlib.sha256(rounded.tobytes()).hexdigest()
 
 
-def expected_tokens(engine: Engine, prompt: str, n: int) -> list[int]:
+def expected_tokens(model: Model, prompt: str, n: int) -> list[int]:
     """The greedy tokens the canary compares with (`update make --canary-tokens` uses this)."""
-    request = GenerateRequest(prompt, max_tokens=n, sampling=SamplingParams(0.0), stop=())
-    return list(engine.complete(request).token_ids)
+    return list(model.greedy(prompt, n)[0])
 
 
 def score(step: Step, ids: Sequence[int], vocab: int) -> float:
@@ -66,14 +78,11 @@ def score(step: Step, ids: Sequence[int], vocab: int) -> float:
     return total / (len(ids) - 1)
 
 
-def mean_nll(engine: Engine, text: str) -> float:
-    """`score` of `text` as `engine` encodes a prompt, run on its runner directly (call before
+def mean_nll(model: Model, text: str) -> float:
+    """`score` of `text` as the engine encodes a prompt, run on its runner directly (call before
     the engine serves, or on an engine nothing else uses)."""
-    runner, vocab = engine.loaded.runner, engine.tokenizer.vocab_size
-    ids = engine.encode_prompt(GenerateRequest(text))
-    kv = runner.new_kv()
-    runner.reserve(kv, len(ids), 0)
-    return score(lambda token, pos: runner.decode(kv, token, pos), ids, vocab)
+    ids = model.encode(text)
+    return score(model.steps(len(ids)), ids, model.vocab_size)
 
 
 def nll_bound(base_nll: float, vocab: int) -> float:
@@ -82,15 +91,14 @@ def nll_bound(base_nll: float, vocab: int) -> float:
 
 
 def reference_canary(
-    base: Engine, seed: str = DEFAULT_PROMPT, n: int = REFERENCE_TOKENS
+    base: Model, seed: str = DEFAULT_PROMPT, n: int = REFERENCE_TOKENS
 ) -> opb.Canary:
     """The default canary: `seed` and the base model's greedy continuation as the prompt, and
     the bound on the new model's mean NLL over it. CanaryError if the base model does not know
     its own text well enough for the bound to tell a broken model from it."""
-    request = GenerateRequest(seed, max_tokens=n, sampling=SamplingParams(0.0), stop=())
-    text = seed + base.complete(request).text
+    text = seed + base.greedy(seed, n)[1]
     base_nll = mean_nll(base, text)
-    vocab = base.tokenizer.vocab_size
+    vocab = base.vocab_size
     uniform = math.log(vocab)
     if not base_nll < NLL_MARGIN * uniform:
         raise CanaryError(
@@ -101,17 +109,14 @@ def reference_canary(
     return opb.Canary(prompt=text, max_mean_nll=nll_bound(base_nll, vocab), base_mean_nll=base_nll)
 
 
-def check(engine: Engine, canary: opb.Canary | None) -> str | None:
-    """None if `engine` passes, else the reason. Call before the engine serves: the first
+def check(model: Model, canary: opb.Canary | None) -> str | None:
+    """None if `model` passes, else the reason. Call before the engine serves: the first
     step runs on its runner directly."""
     prompt = canary.prompt if canary is not None and canary.prompt else DEFAULT_PROMPT
     want = list(canary.expected_tokens) if canary is not None else []
-    runner, vocab = engine.loaded.runner, engine.tokenizer.vocab_size
-    ids = engine.encode_prompt(GenerateRequest(prompt))
-    kv = runner.new_kv()
-    if len(ids) > 1:
-        runner.prefill(kv, ids[:-1], 0)
-    first = np.asarray(runner.decode(kv, ids[-1], len(ids) - 1))[:vocab]
+    vocab = model.vocab_size
+    ids = model.encode(prompt)
+    first = np.asarray(model.first_logits(ids))[:vocab]
     if not np.isfinite(first).all():
         bad = int((~np.isfinite(first)).sum())
         return f"the first logits have {bad} non-finite values"
@@ -121,10 +126,10 @@ def check(engine: Engine, canary: opb.Canary | None) -> str | None:
             want_digest = canary.logits_sha256[:12]
             return f"first-step logits checksum {digest[:12]}… != expected {want_digest}…"
     if canary is not None and canary.max_mean_nll != 0.0:
-        problem = _check_nll(engine, canary)
+        problem = _check_nll(model, canary)
         if problem is not None:
             return problem
-    tokens = expected_tokens(engine, prompt, max(len(want), DEFAULT_TOKENS))
+    tokens = expected_tokens(model, prompt, max(len(want), DEFAULT_TOKENS))
     if any(not 0 <= t < vocab for t in tokens):
         return f"generated tokens outside the vocabulary of {vocab}: {tokens}"
     if want and tokens[: len(want)] != want:
@@ -132,11 +137,11 @@ def check(engine: Engine, canary: opb.Canary | None) -> str | None:
     return None
 
 
-def _check_nll(engine: Engine, canary: opb.Canary) -> str | None:
+def _check_nll(model: Model, canary: opb.Canary) -> str | None:
     bound = canary.max_mean_nll
     if not (math.isfinite(bound) and bound > 0):
         return f"the canary's max_mean_nll {bound!r} is not a positive number"
-    got = mean_nll(engine, canary.prompt)
+    got = mean_nll(model, canary.prompt)
     if got <= bound:
         return None
     if not math.isfinite(got):
@@ -144,5 +149,5 @@ def _check_nll(engine: Engine, canary: opb.Canary) -> str | None:
     return (
         f"mean NLL {got:.2f} nats/token on the canary prompt, above its bound {bound:.2f} "
         f"(the base model: {canary.base_mean_nll:.2f}; a uniform guess: "
-        f"{math.log(engine.tokenizer.vocab_size):.2f})"
+        f"{math.log(model.vocab_size):.2f})"
     )

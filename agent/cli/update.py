@@ -15,28 +15,13 @@ import re
 import sys
 from pathlib import Path
 
+from agent.cli.common import _fail, parse_duration
 from agent.errors import AgentError
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 EXIT_FAILED = 1
-EXIT_USAGE = 2
 EXIT_EXPIRED = 3
 DEFAULT_KEY_NAME = "update-signing"
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)")
-_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
-
-
-def _fail(message: str) -> int:
-    print(f"edge-agent: {message}", file=sys.stderr)
-    return EXIT_USAGE
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in "90", "90s", "15m", "12h", "7d" or "2w" (ValueError otherwise)."""
-    m = _DURATION.fullmatch(text.strip())
-    if m is None or float(m.group(1)) <= 0:
-        raise ValueError(f"{text!r} is not a duration like 3600, 45m, 12h, 7d or 2w")
-    return float(m.group(1)) * _UNITS[m.group(2)]
 
 
 # ----------------------------------------------------------------------------- keys
@@ -95,6 +80,7 @@ def _canary(args: argparse.Namespace, base_dir: Path, new_dir: Path) -> opb.Cana
     text and the bound on the new model's NLL over it (`canary.reference_canary`), which the
     new model must pass here too. The engine is built here, in the CLI: ota only gets models
     to check (docs/UPDATES.md, the canary)."""
+    from agent.cli.canary import engine_model
     from agent.engine.engine import Engine
     from agent.modeldir import load_model_dir
     from agent.ota import canary
@@ -109,18 +95,18 @@ def _canary(args: argparse.Namespace, base_dir: Path, new_dir: Path) -> opb.Cana
         engine = Engine(profile, new_dir, quantization=quant)
         try:
             n = args.canary_tokens or canary.DEFAULT_TOKENS
-            tokens = canary.expected_tokens(engine, args.canary_prompt, n)
+            tokens = canary.expected_tokens(engine_model(engine), args.canary_prompt, n)
         finally:
             engine.close()
         return opb.Canary(prompt=args.canary_prompt, expected_tokens=tokens)
     base = Engine(profile, base_dir, quantization=quant)
     try:
-        made = canary.reference_canary(base)
+        made = canary.reference_canary(engine_model(base))
     finally:
         base.close()
     new = Engine(profile, new_dir, quantization=quant)
     try:
-        problem = canary.check(new, made)
+        problem = canary.check(engine_model(new), made)
     finally:
         new.close()
     if problem is not None:

@@ -1,7 +1,9 @@
-"""``edge-agent model diff`` and ``edge-agent model patch``: update deltas by hand.
+"""`edge-agent model inspect|import|diff|patch`: model files by hand.
 
-Both take two files or two model directories. ``diff`` prints what the delta holds
-(``--json`` for a machine-readable line); ``patch`` rebuilds and verifies the target.
+``inspect`` shows a model's signatures, KV layout, quantization and hashes; ``import`` makes a
+model directory from a .litertlm bundle or an export folder. ``diff`` and ``patch`` take two
+files or two model directories: ``diff`` prints what the update delta holds (``--json`` for a
+machine-readable line); ``patch`` rebuilds and verifies the target.
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,60 @@ from agent.ota.delta import (
     patch_file,
     read_header,
 )
+
+
+def cmd_model_inspect(args: argparse.Namespace) -> int:
+    from agent.runtime.inspect import inspect_report
+
+    report = inspect_report(Path(args.path))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        from agent.runtime.inspect import format_report
+
+        print(format_report(report))
+    return 0
+
+
+def _import_progress() -> Callable[[str, int, int], None]:
+    """Progress of copying and hashing files of 16 MiB or more: a line per 10% on stderr."""
+    shown: dict[str, int] = {}
+
+    def show(name: str, done: int, total: int) -> None:
+        if total < 16 << 20:
+            return
+        step = done * 10 // total
+        if shown.get(name, -1) < step:
+            shown[name] = step
+            print(
+                f"import: {name}: {done >> 20}/{total >> 20} MiB hashed ({step * 10}%)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    return show
+
+
+def cmd_model_import(args: argparse.Namespace) -> int:
+    from agent.modelimport import import_model
+
+    meta = import_model(
+        Path(args.src),
+        Path(args.output),
+        name=args.name,
+        version=args.version,
+        files=args.file,
+        progress=_import_progress(),
+    )
+    variants = ", ".join(f"{v.file} ({v.quantization})" for v in meta.variants)
+    print(
+        f"{meta.directory}: {meta.name} {meta.version}, context {meta.context_length}, "
+        f"{meta.tokenizer}, {variants}"
+    )
+    return 0
+
+
+# ----------------------------------------------------------------------------- deltas
 
 
 def _kind(a: Path, b: Path, what: str) -> str:
@@ -79,6 +137,28 @@ def cmd_model_patch(args: argparse.Namespace) -> int:
         print(f"{name:32} {size:>12} bytes  sha256 {sha}")
     print(f"{out}: {len(files)} file(s) rebuilt and verified in {seconds:.1f} s")
     return 0
+
+
+def add_model_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``model inspect|import|diff|patch`` to the CLI's subparsers (each sets `func`)."""
+    model = subparsers.add_parser("model", help="model files")
+    msub = model.add_subparsers(dest="model_command", required=True)
+    p = msub.add_parser("inspect", help="signatures, KV layout, quantization, fused ops, sha256")
+    p.add_argument("path", help="a .tflite file, a model directory or a .litertlm bundle")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_model_inspect)
+    p = msub.add_parser(
+        "import", help="a model directory from a .litertlm or a downloaded export folder"
+    )
+    p.add_argument("src", help="a .litertlm bundle, or a folder with .tflite files and a tokenizer")
+    p.add_argument("-o", "--output", required=True, help="the model directory to write (new)")
+    p.add_argument("--name", help="model name (default: the bundle's or folder's name)")
+    p.add_argument("--version", help="model version (default: the bundle's, else 0)")
+    p.add_argument(
+        "--file", action="append", default=[], help="import only this .tflite (repeatable)"
+    )
+    p.set_defaults(func=cmd_model_import)
+    add_delta_commands(msub)
 
 
 def add_delta_commands(

@@ -1,0 +1,89 @@
+"""The `edge-agent` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from agent import __version__, exitcodes
+from agent.cli.client import add_client_parser
+from agent.cli.fleet import add_fleet_parser
+from agent.cli.generate import add_generate_parser
+from agent.cli.model import add_model_parser
+from agent.cli.profile import add_profile_parser
+from agent.cli.run import add_run_parser
+from agent.cli.update import add_keys_parser, add_update_parser
+from agent.errors import AgentError
+
+log = logging.getLogger("agent.cli")
+
+
+def _silence_native_stderr() -> None:
+    """LiteRT's C++ code logs to fd 2 (also from destructors at exit); keep it off the terminal.
+
+    fd 2 goes to /dev/null for the rest of the process; Python's `sys.stderr` (our messages and
+    logging) keeps writing to the real stderr through a duplicated descriptor.
+    """
+    sys.stderr.flush()
+    real = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    sys.stderr = os.fdopen(real, "w", buffering=1, encoding="utf-8", errors="replace")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edge-agent", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"edge-agent {__version__}")
+    parser.add_argument(
+        "--profile", help="profile name or path to a .toml for every command (default: detect)"
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log at INFO, show LiteRT logs"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from agent.units import register_cli
+
+    add_profile_parser(sub)
+    add_model_parser(sub)
+    add_generate_parser(sub)
+    add_run_parser(sub)
+    add_client_parser(sub)
+    add_fleet_parser(sub)
+    add_keys_parser(sub)
+    add_update_parser(sub)
+    register_cli(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.verbose:
+        _silence_native_stderr()
+    from agent.systemd import configure_logging
+
+    configure_logging("info" if args.verbose else "warning", "stderr")
+    try:
+        rc: int = args.func(args)
+        return rc
+    except AgentError as exc:
+        print(f"edge-agent: {exc}", file=sys.stderr)
+        return exitcodes.for_error(exc)
+    except KeyboardInterrupt:
+        print("\nedge-agent: interrupted", file=sys.stderr)
+        return exitcodes.INTERRUPTED
+    except BrokenPipeError:
+        return exitcodes.OK
+    finally:
+        if argv is None:  # the real command line: a Ctrl-C while Python shuts down (joining
+            # gRPC's threads) ends the process quietly instead of a KeyboardInterrupt traceback
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""`edge-agent run`: the daemon, from the command line's overrides (agent.daemon)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from agent.cli.common import _profile_arg, _profile_name
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from agent.config import load_config
+    from agent.daemon import Overrides, run_daemon
+    from agent.systemd import configure_logging
+
+    overrides = Overrides(
+        config_path=Path(args.config) if args.config else None,
+        profile=_profile_name(args),
+        model=Path(args.model).resolve() if args.model else None,
+        quantization=args.quantization,
+        # absolute, not resolved: a symbolic link given as --socket is refused as one
+        socket=Path(args.socket).absolute() if args.socket else None,
+        tcp=args.tcp,
+        state_dir=Path(args.state_dir).resolve() if args.state_dir else None,
+        broker=args.broker,
+        device_id=args.device_id,
+    )
+    log_cfg = load_config(overrides.config_path).log
+    configure_logging("debug" if args.verbose else log_cfg.level, log_cfg.target)  # replaces
+    return run_daemon(overrides)
+
+
+def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``run`` to the CLI's subparsers (sets `func`)."""
+    p = subparsers.add_parser("run", help="run the daemon (gRPC on a unix socket)")
+    _profile_arg(p)
+    p.add_argument(
+        "--model", help="model directory or .litertlm (default: config, profile, demo model)"
+    )
+    p.add_argument("--quantization", help="pick this variant instead of the profile's choice")
+    p.add_argument("--socket", help="unix socket path (default: /run/edge-agent/agent.sock)")
+    p.add_argument("--tcp", help="also listen on HOST:PORT (loopback unless the config allows)")
+    p.add_argument("--config", help="config file (default: /etc/edge-agent/agent.toml)")
+    p.add_argument(
+        "--state-dir", help="where sessions are saved to disk (default: /var/lib/edge-agent)"
+    )
+    p.add_argument(
+        "--broker", help="fleet MQTT broker, mqtt://HOST:PORT or mqtts://HOST:PORT (over config)"
+    )
+    p.add_argument("--device-id", help="this board's id in the fleet (default: /etc/machine-id)")
+    p.set_defaults(func=cmd_run)
