@@ -1,8 +1,9 @@
 """A model directory: one or more `.tflite` variants, a tokenizer and metadata.
 
-`open_model` also takes a `.litertlm` bundle (`agent.runtime.litertlm`: extracted once into a
-cache, described by the same `ModelMeta`); `edge-agent model import` (`agent.modelimport`)
-writes a model directory from a bundle or a download folder (docs/MODELS.md).
+`agent.runtime.modelopen.open_model` also takes a `.litertlm` bundle (`agent.runtime.litertlm`:
+extracted once into a cache, described by the same `ModelMeta`); `edge-agent model import`
+(`agent.modelimport`) writes a model directory from a bundle or a download folder
+(docs/MODELS.md).
 
 Layout::
 
@@ -47,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import ModelFormatError
+from agent.fsutil import atomic_write_bytes
 
 QUANTIZATIONS = (
     "fp32",
@@ -247,7 +249,7 @@ def write_model_dir_metadata(
 
     `variants` are ``(file name, quantization)`` pairs; sizes and sha256 are computed here
     (a file named in `sha256` is not read again: its caller has just hashed it).
-    The file is written atomically (temp file, fsync, rename).
+    The file is written atomically (`agent.fsutil.atomic_write`: temp file, fsync, rename).
     """
     entries = []
     for file, quant in variants:
@@ -278,51 +280,9 @@ def write_model_dir_metadata(
     if generation:
         doc["generation"] = dict(generation)
     target = directory / METADATA_FILE
-    tmp = target.with_suffix(".json.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
+    # world-readable as open() made it: the daemon's user reads a directory an operator wrote
+    atomic_write_bytes(target, (json.dumps(doc, indent=2) + "\n").encode("utf-8"), mode=0o644)
     return target
-
-
-LITERTLM_SUFFIX = ".litertlm"
-
-
-def open_model(path: Path, cache_dir: Path) -> ModelMeta:
-    """The model at `path`: a model directory, or a `.litertlm` bundle whose model and
-    tokenizer are extracted into `cache_dir` (`agent.runtime.litertlm_cache`; once per bundle)."""
-    if path.is_dir():
-        return load_model_dir(path)
-    from agent.runtime.litertlm import is_litertlm
-    from agent.runtime.litertlm_cache import open_litertlm
-
-    if path.suffix == LITERTLM_SUFFIX or is_litertlm(path):
-        return open_litertlm(path, cache_dir)
-    if path.name == METADATA_FILE:
-        return load_model_dir(path.parent)
-    if not path.exists():
-        raise ModelFormatError(f"{path}: no such model directory or .litertlm file")
-    raise ModelFormatError(
-        f"{path}: not a model directory or a .litertlm bundle (a single .tflite needs a "
-        "model directory: edge-agent model import)"
-    )
-
-
-def unpack_cache_dir(weight_cache_dir: Path | None, state_dir: Path | None) -> Path:
-    """Where `.litertlm` bundles are extracted: ``litertlm/`` beside the profile's XNNPACK
-    weight cache (the daemon always has one), else in the state directory's ``cache/``, else
-    in the user's cache (`agent.userdirs.cache_dir`: ``$CACHE_DIRECTORY``,
-    ``$XDG_CACHE_HOME/edge-agent``, ``~/.cache/edge-agent``)."""
-    if weight_cache_dir is not None:
-        return weight_cache_dir.parent / "litertlm"
-    if state_dir is not None:
-        return state_dir / "cache" / "litertlm"
-    from agent.userdirs import cache_dir  # agent.profile imports this module
-
-    return cache_dir() / "litertlm"
 
 
 def demo_model_dir() -> Path:

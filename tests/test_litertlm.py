@@ -19,7 +19,8 @@ from agent.engine.engine import Engine
 from agent.engine.sampler import SamplingParams
 from agent.engine.types import GenerateRequest
 from agent.errors import ModelFormatError
-from agent.modeldir import open_model, write_model_dir_metadata
+from agent.modeldir import write_model_dir_metadata
+from agent.runtime.modelopen import open_model
 from tests.test_cli import cli
 
 PROMPT = "def main():\n    return 1\n"
