@@ -1,233 +1,21 @@
-"""`edge-agent model import`: a model directory (`agent.modeldir`) from what users download.
-
-The source is a `.litertlm` bundle or a folder as litert-community / Hugging Face ship one:
-one or more `.tflite` exports, ``tokenizer.json`` (preferred) or ``tokenizer.model``, and
-optionally ``tokenizer_config.json``, ``generation_config.json`` and ``config.json``. What
-``metadata.json`` records comes from the files themselves:
-
-* per variant: sha256 and size, and the quantization read from its weight tensors
-  (`agent.runtime.modelfacts`), never from its name; the context length from its KV shape;
-* ``bos_id``/``eos_id``: ``tokenizer_config.json``'s ``bos_token``/``eos_token`` looked up in
-  the tokenizer's vocabulary, else ``generation_config.json``'s, else ``config.json``'s ids;
-  ``add_bos``: ``add_bos_token``, else whether the tokenizer's own post-processor adds BOS;
-* ``stop_token_ids``: the eos id and ``generation_config.json``'s ``eos_token_id`` (an id or a
-  list; ``config.json``'s when there is no generation config);
-* ``chat_template``: ``tokenizer_config.json``'s (a string, or a list of named templates of
-  which "default" is taken), else ``chat_template.jinja``; checked to parse as Jinja;
-* ``generation``: ``temperature``/``top_k``/``top_p`` of ``generation_config.json`` (not when
-  it says ``do_sample: false``: its defaults are then greedy's).
-
-The source is only read. The directory is written into a temp directory beside the target
-and renamed into place when complete, so a refusal or a crash leaves nothing half-written;
-an existing target is refused unless it is an empty directory.
-"""
+"""A download folder imported (litert-community / Hugging Face): its `.tflite` exports and
+tokenizer copied, and what its side files (``tokenizer_config.json``, ``generation_config.json``,
+``config.json``, ``chat_template.jinja``) say about ids, template and sampling."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import logging
-import os
 import shutil
-import tempfile
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from agent.errors import ModelFormatError
-from agent.modeldir import ModelMeta, load_model_dir, write_model_dir_metadata
+from agent.modelimport.draft import Draft, Progress, copy_hashed
 from agent.runtime.vocab import Vocab
 
-log = logging.getLogger(__name__)
-
-Progress = Callable[[str, int, int], None]  # (what, bytes done, bytes in all)
 TOKENIZERS = ("tokenizer.json", "tokenizer.model")
 SIDE_FILES = ("tokenizer_config.json", "generation_config.json", "config.json")
-_CHUNK = 1 << 20
-
-
-@dataclass(slots=True)
-class _Draft:
-    """What the import has gathered for `write_model_dir_metadata`."""
-
-    name: str
-    version: str
-    context_length: int = 0
-    tokenizer: str = ""
-    bos_id: int | None = None
-    eos_id: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    chat_template: str = ""
-    add_bos: bool = False
-    generation: dict[str, float] = field(default_factory=dict)
-    variants: list[tuple[str, str]] = field(default_factory=list)
-    sha256: dict[str, str] = field(default_factory=dict)
-
-
-def copy_hashed(src: Path, dst: Path, progress: Progress | None = None) -> str:
-    """Copy `src` to `dst` in one pass that also hashes it; returns the sha256."""
-    h = hashlib.sha256()
-    total = src.stat().st_size
-    done = 0
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
-        while block := fin.read(_CHUNK):
-            h.update(block)
-            fout.write(block)
-            done += len(block)
-            if progress is not None:
-                progress(dst.name, done, total)
-        fout.flush()
-        os.fsync(fout.fileno())
-    return h.hexdigest()
-
-
-def _check_target(out: Path) -> None:
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise ModelFormatError(f"{out}: exists and is not a directory; choose another -o")
-    if out.is_dir() and any(out.iterdir()):
-        raise ModelFormatError(
-            f"{out}: exists and is not empty; import writes only into a new or empty directory"
-        )
-
-
-def import_model(
-    src: Path,
-    out: Path,
-    *,
-    name: str | None = None,
-    version: str | None = None,
-    files: Sequence[str] = (),
-    progress: Progress | None = None,
-) -> ModelMeta:
-    """Write the model directory `out` from `src` (a `.litertlm` or a download folder).
-
-    `files` picks which `.tflite` files of a folder to import (default: all of them).
-    Raises `ModelFormatError` naming the file and what is wrong (an unreadable source file,
-    an unwritable target too); `out` is then untouched.
-    """
-    try:
-        return _import(src, out, name, version, files, progress)
-    except OSError as exc:
-        raise ModelFormatError(f"{exc.filename or out}: {exc.strerror or exc}") from exc
-
-
-def _import(
-    src: Path,
-    out: Path,
-    name: str | None,
-    version: str | None,
-    files: Sequence[str],
-    progress: Progress | None,
-) -> ModelMeta:
-    from agent.runtime.litertlm import is_litertlm
-
-    if not src.exists():
-        raise ModelFormatError(f"{src}: no such file or directory")
-    bundle = src.is_file() and (src.suffix == ".litertlm" or is_litertlm(src))
-    if not bundle and not src.is_dir():
-        raise ModelFormatError(f"{src}: neither a .litertlm bundle nor a folder with .tflite files")
-    if bundle and files:
-        raise ModelFormatError(f"{src}: --file picks .tflite files of a folder, not of a bundle")
-    _check_target(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".import"))
-    try:
-        draft = (
-            _from_bundle(src, tmp, name, version, progress)
-            if bundle
-            else _from_folder(src, tmp, name, version, files, progress)
-        )
-        write_model_dir_metadata(
-            tmp,
-            name=draft.name,
-            version=draft.version,
-            context_length=draft.context_length,
-            bos_id=draft.bos_id,
-            eos_id=draft.eos_id,
-            stop_token_ids=draft.stop_token_ids,
-            chat_template=draft.chat_template,
-            variants=draft.variants,
-            tokenizer=draft.tokenizer,
-            add_bos=draft.add_bos,
-            generation=draft.generation,
-            sha256=draft.sha256,
-        )
-        load_model_dir(tmp)  # what was written reads back
-        _readable(tmp)
-        _check_target(out)  # nothing appeared there meanwhile
-        os.replace(tmp, out)  # onto a missing or empty directory
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log.info("model import: %s -> %s", src, out)
-    return load_model_dir(out)
-
-
-def _readable(directory: Path) -> None:
-    """Modes as a plain copy would give them (temp files are created owner-only): the daemon's
-    user must be able to read a directory someone else imported."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(directory, 0o777 & ~umask)
-    for f in directory.iterdir():
-        os.chmod(f, 0o666 & ~umask)
-
-
-# ----------------------------------------------------------------------------- bundles
-
-
-def _from_bundle(
-    src: Path, tmp: Path, name: str | None, version: str | None, progress: Progress | None
-) -> _Draft:
-    from agent.runtime.litertlm import extract_model, read_bundle, tokenizer_file
-    from agent.runtime.llmmeta import read_llm_metadata, resolve
-
-    bundle = read_bundle(src)
-    for s, why in bundle.ignored:
-        log.info("%s: section %d (%s) not imported: %s", src, s.index, s.kind, why)
-    info = read_llm_metadata(bundle)
-    staged = tmp / "model.tflite.part"
-    sha = extract_model(
-        bundle, staged, None if progress is None else lambda d, t: progress(src.name, d, t)
-    )
-    quant, context = _facts(staged, info.max_tokens, src)
-    file = f"model_{quant}.tflite"
-    staged.rename(tmp / file)
-    tok_name, data = tokenizer_file(bundle)
-    (tmp / tok_name).write_bytes(data)
-    ids = resolve(info, tmp / tok_name, str(src))
-    given = bundle.system_item("version")
-    return _Draft(
-        name=name or src.name.removesuffix(".litertlm"),
-        version=version or (str(given) if given is not None else "0"),
-        context_length=context,
-        tokenizer=tok_name,
-        bos_id=ids.bos_id,
-        eos_id=ids.eos_id,
-        stop_token_ids=list(ids.stop_ids),
-        chat_template=info.template,
-        add_bos=ids.bos_id is not None,
-        generation=dict(info.generation),
-        variants=[(file, quant)],
-        sha256={file: sha},
-    )
-
-
-def _facts(path: Path, hint: int | None, where: Path) -> tuple[str, int]:
-    """(quantization, context length) of a `.tflite`; refuses what is not an LLM export."""
-    from agent.runtime.modelfacts import context_length_of, quantization_of
-    from agent.runtime.modelfile import read_model_file
-
-    model = read_model_file(path)
-    try:
-        context, _ = context_length_of(model, hint)
-    except ModelFormatError as exc:
-        raise ModelFormatError(f"{where}: {exc}") from exc
-    return quantization_of(model), context
-
-
-# ----------------------------------------------------------------------------- folders
 
 
 def _json(path: Path) -> dict[str, Any] | None:
@@ -335,14 +123,14 @@ def _pick_tflite(src: Path, files: Sequence[str]) -> list[Path]:
     return found
 
 
-def _from_folder(
+def from_folder(
     src: Path,
     tmp: Path,
     name: str | None,
     version: str | None,
     files: Sequence[str],
     progress: Progress | None,
-) -> _Draft:
+) -> Draft:
     from agent.runtime.modelfacts import context_length_of, quantization_of
     from agent.runtime.modelfile import read_model_file
 
@@ -351,7 +139,7 @@ def _from_folder(
         raise ModelFormatError(f"{src}: no tokenizer ({' or '.join(TOKENIZERS)}) in the folder")
     tok_config, gen, config = (_json(src / f) for f in SIDE_FILES)
     vocab = Vocab(tok_file)
-    draft = _Draft(name=name or src.resolve().name, version=version or "0")
+    draft = Draft(name=name or src.resolve().name, version=version or "0")
     draft.chat_template = _template(src, tok_config)
     draft.generation = _generation(gen, src / "generation_config.json")
 
