@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agent.engine.engine import EngineStats
+from agent.engine.stats import EngineStats
 from agent.engine.types import TierStats
 
 

@@ -26,7 +26,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agent.engine.engine import Engine, EngineLimits, estimate_memory  # noqa: E402
+from agent.engine.engine import Engine, EngineLimits  # noqa: E402
+from agent.engine.loading import estimate_memory  # noqa: E402
 from agent.engine.sampler import SamplingParams  # noqa: E402
 from agent.engine.types import GenerateRequest  # noqa: E402
 from agent.modeldir import demo_model_dir, load_model_dir  # noqa: E402

@@ -345,7 +345,7 @@ def test_sighup_reload_that_does_not_fit_beside_drains_first(tmp_path) -> None:
     """A budget that holds one model but not two: the reload finishes in-flight requests,
     unloads the old model, then loads the new one; nothing in flight fails. (The demo model:
     the tiny one plans less than the smallest budget a profile accepts.)"""
-    from agent.engine.engine import estimate_memory
+    from agent.engine.loading import estimate_memory
     from agent.modeldir import demo_model_dir
     from agent.profile import profiles_dir, resolve_profile
 

@@ -268,7 +268,8 @@ def engine(
     """An engine on the model under the dev profile with a weight cache directory (the prepared
     copy runs) and a budget of one runtime KV cache; host tier just larger than the session
     after its first turn, so that its second spill goes to disk."""
-    from agent.engine.engine import Engine, EngineLimits, estimate_memory
+    from agent.engine.engine import Engine, EngineLimits
+    from agent.engine.loading import estimate_memory
     from agent.runtime.layout import discover_layout
     from agent.runtime.modelfile import read_model_file
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.engine.engine import EngineStats, ModelInfo, Percentiles
+from agent.engine.stats import EngineStats, ModelInfo, Percentiles
 from agent.engine.types import TierStats
 from agent.fleet.health import (
     THROTTLED_FILE,

@@ -305,7 +305,7 @@ def test_the_memory_estimate_counts_the_windows_a_load_adds(
 ) -> None:
     """The daemon decides from `estimate_memory` whether an update loads beside the serving
     model; the estimate must not be below what the load then plans."""
-    from agent.engine.engine import estimate_memory
+    from agent.engine.loading import estimate_memory
     from agent.modeldir import load_model_dir
 
     d = tiny_model_factory.model_dir(quantizations=("int8",), prefill_lens=(8, 32), kv_max=512)

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from agent.engine.engine import Engine, estimate_memory
+from agent.engine.engine import Engine
+from agent.engine.loading import estimate_memory
 from agent.engine.sampler import SamplingParams
 from agent.engine.types import GenerateRequest
 from agent.errors import ModelFormatError
@@ -205,7 +206,8 @@ def test_sessions_and_forks_agree_with_ai_edge_litert(legacy_python, unfused_dir
 TIERS = r"""
 import json, sys, tomllib
 from pathlib import Path
-from agent.engine.engine import Engine, EngineLimits, estimate_memory
+from agent.engine.engine import Engine, EngineLimits
+from agent.engine.loading import estimate_memory
 from agent.engine.sampler import SamplingParams
 from agent.engine.types import GenerateRequest
 from agent.errors import NotFound

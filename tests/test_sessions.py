@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.engine.engine import Engine, EngineLimits, estimate_memory
+from agent.engine.engine import Engine, EngineLimits
+from agent.engine.loading import estimate_memory
 from agent.engine.sampler import SamplingParams
 from agent.engine.types import GenerateRequest
 from agent.errors import ContextOverflow, InvalidRequest, NotFound, SessionLost

@@ -16,91 +16,21 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from agent.engine.kvpool import KVPool
+from agent.engine.session import Session
 from agent.engine.types import SESSION_POLICIES, SessionInfo, TierStats
 from agent.errors import InvalidRequest, NotFound, Overloaded, SessionBusy, SessionLost
 from agent.kv.disk import DiskTier
 from agent.kv.lru import ByteLRU
 from agent.kv.prefix import PrefixCache
 from agent.kv.snapshot import KVSnapshot
-from agent.runtime.litert import KVCache, Runner
+from agent.runtime.runner import KVCache, Runner
 
 log = logging.getLogger(__name__)
 
 LOST_REMEMBERED = 256  # lost session ids kept so that their client hears why
-
-
-@dataclass(slots=True)
-class Session:
-    """A conversation: its tokens, its turns, and where its KV is."""
-
-    id: str
-    owner: str
-    policy: str
-    created: float  # unix time
-    last_used: float  # unix time
-    tokens: list[int] = field(default_factory=list)  # the whole conversation so far
-    turns: list[int] = field(default_factory=list)  # where each turn starts in `tokens`
-    kv_len: int = 0  # tokens[:kv_len] are in the KV; the rest is fed on the next turn
-    busy: bool = False
-    tier: str = "empty"
-    kv: KVCache | None = None  # while bound
-    kv_bytes: int = 0
-
-    def meta(self) -> dict[str, Any]:
-        """What a disk file keeps besides the rows (JSON)."""
-        return {
-            "owner": self.owner,
-            "policy": self.policy,
-            "created": self.created,
-            "last_used": self.last_used,
-            "tokens": self.tokens,
-            "turns": self.turns,
-        }
-
-    def info(self) -> SessionInfo:
-        return SessionInfo(
-            self.id,
-            self.owner,
-            self.tier,
-            len(self.tokens),
-            self.kv_bytes,
-            self.policy,
-            self.created,
-            self.last_used,
-        )
-
-
-class KVPool:
-    """Runtime KV caches, made on demand up to `capacity`. `doubling` (kNextPowerOfTwo) grows
-    the pool by as many as it has, otherwise (kSameAsRequested) by exactly one."""
-
-    def __init__(self, make: Callable[[], KVCache], capacity: int, doubling: bool) -> None:
-        self._make = make
-        self.capacity = capacity
-        self._doubling = doubling
-        self._free: list[KVCache] = []
-        self.made = 0
-
-    def grow(self, count: int) -> None:
-        count = min(count, self.capacity - self.made)
-        self._free.extend(self._make() for _ in range(count))
-        self.made += count
-        if count:
-            log.info("KV pool grown by %d to %d caches", count, self.made)
-
-    def take(self) -> KVCache | None:
-        """A free cache, or None when all `capacity` are in use."""
-        if not self._free and self.made < self.capacity:
-            self.grow(max(1, self.made) if self._doubling else 1)
-        return self._free.pop() if self._free else None
-
-    def give(self, kv: KVCache) -> None:
-        self._free.append(kv)
 
 
 class SessionStore:

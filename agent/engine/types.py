@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from agent.engine.sampler import SamplingParams
+if TYPE_CHECKING:  # only a field's type: the sampler itself needs numpy
+    from agent.engine.sampler import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 SESSION_POLICIES = ("error", "truncate")  # what a turn that overflows the context does

@@ -20,7 +20,7 @@ from typing import Protocol
 
 from agent import __version__
 from agent.config import FleetConfig
-from agent.engine.engine import ModelInfo
+from agent.engine.stats import ModelInfo
 from agent.errors import ConfigError, InvalidRequest, Unavailable
 from agent.fleet.health import HealthReporter, build_health, read_disk, read_thermal
 from agent.fleet.link import FleetLink, Reply, SessionCounter

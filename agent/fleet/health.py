@@ -14,8 +14,8 @@ import re
 from pathlib import Path
 from typing import Final
 
-from agent.engine.engine import ModelInfo
-from agent.engine.engine import Percentiles as StatPercentiles
+from agent.engine.stats import ModelInfo
+from agent.engine.stats import Percentiles as StatPercentiles
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from agent.rpc.server import tiers_message
