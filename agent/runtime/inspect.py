@@ -10,7 +10,8 @@ from agent.errors import ModelFormatError
 from agent.modeldir import METADATA_FILE, load_model_dir, sha256_file
 from agent.runtime.layout import discover_layout
 from agent.runtime.modelfacts import context_length_of, quantization_of
-from agent.runtime.modelfile import ModelFile, read_model_file
+from agent.runtime.modelfile import read_model_file
+from agent.runtime.modelinfo import ModelFile
 
 
 def _file_report(path: Path, context_length: int | None) -> dict[str, Any]:

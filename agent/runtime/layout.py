@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from agent.errors import ModelFormatError
-from agent.runtime.modelfile import ModelFile, SignatureIO, TensorInfo
+from agent.runtime.modelinfo import ModelFile, SignatureIO, TensorInfo
 
 _PREFILL = re.compile(r"^prefill(?:_(\d+))?$")
 _WINDOW = re.compile(r"^kv(\d+)_(decode|prefill(?:_\d+)?)$")

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from agent.errors import ModelFormatError
-from agent.runtime.modelfile import ModelFile
+from agent.runtime.modelinfo import ModelFile
 
 log = logging.getLogger(__name__)
 

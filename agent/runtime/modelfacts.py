@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from agent.errors import ModelFormatError
 from agent.runtime.layout import ModelLayout, discover_layout
-from agent.runtime.modelfile import ModelFile
+from agent.runtime.modelinfo import ModelFile
 
 # Ops whose constant operands are the model's weight matrices (DEQUANTIZE: weight-only
 # quantization, the weights are widened to float when the model loads).

@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.runtime.modelfile import ModelFile, SignatureIO, TensorInfo
+from agent.runtime.modelinfo import ModelFile, SignatureIO, TensorInfo
 from agent.runtime.schema import schema
 
 _TYPE_NAMES: dict[int, str] = {
