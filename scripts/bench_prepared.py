@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent.modeldir import demo_model_dir, load_model_dir
 from agent.profile import DeviceProfile, resolve_profile
 from agent.runtime import check, inline, litert
+from agent.runtime.interpreter import InterpreterRunner
 from agent.runtime.layout import discover_layout
 from agent.runtime.modelfile import read_model_file
 from scripts._report import ROOT, bench_args, fmt, med, write_section
@@ -77,7 +78,7 @@ def first_load(path: Path, sha: str, profile: DeviceProfile, cache: Path) -> dic
     layout = discover_layout(model)
     rt = profile.runtime
     t = time.perf_counter()
-    ref = litert._InterpreterRunner(path, layout, "xnnpack", rt.num_threads, None, rt.backend)
+    ref = InterpreterRunner(path, layout, "xnnpack", rt.num_threads, None, rt.backend)
     want = check.reference(ref, model)
     ref.close()
     reference_s = time.perf_counter() - t

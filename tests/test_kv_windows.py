@@ -12,14 +12,15 @@ import pytest
 from agent.engine.engine import Engine
 from agent.engine.sampler import SamplingParams
 from agent.engine.types import GenerateRequest
+from agent.runtime import cachefiles, litert
 from agent.runtime import layout as kv_layout
-from agent.runtime import litert
 from agent.runtime.inline import prepare_file
 from agent.runtime.layout import discover_layout
 from agent.runtime.modelfile import read_model_file
+from agent.runtime.prepared import prepared_model
 from agent.toolchain.export import ExportOptions
 
-P = f"p{litert.PREPARED_FORMAT}"  # the prepared copies' format, in their names
+P = f"p{cachefiles.PREPARED_FORMAT}"  # the prepared copies' format, in their names
 
 WINDOWS = (16, 32)
 PROMPT = [1, 17, 33, 5, 200, 9, 41, 42, 43, 7, 99, 120, 3, 18, 64, 65, 66, 12, 250, 8]
@@ -217,7 +218,7 @@ def test_load_gives_a_single_length_model_windows_that_decode_the_same(
     cache = tmp_path / "xnnpack"
     profile = make_profile(runtime={"xnnpack_weight_cache_dir": str(cache)})
     # a load that died between writing the copy and checking it left only the unchecked copy
-    died = litert.prepared_model(path, profile, "d" * 64, True, (256,), 512)
+    died = prepared_model(path, profile, "d" * 64, True, (256,), 512)
     assert died.fresh and died.path.name.endswith(".tflite.unchecked")
     with caplog.at_level(logging.INFO, logger="agent.runtime"):
         loaded = litert.load(path, profile, cache_key="d" * 64)
@@ -229,7 +230,7 @@ def test_load_gives_a_single_length_model_windows_that_decode_the_same(
     made = cache / f"{'d' * 64}.{P}-inlined-kv256.tflite"
     assert made.exists() and not died.path.exists()  # checked again, then named
     # what reading the model and its copy found is kept for the next start
-    readings = {f"{'d' * 64}{litert.PARSE_SUFFIX}", f"{made.stem}{litert.PARSE_SUFFIX}"}
+    readings = {f"{'d' * 64}{cachefiles.PARSE_SUFFIX}", f"{made.stem}{cachefiles.PARSE_SUFFIX}"}
     assert readings <= {f.name for f in cache.iterdir()}
     assert "model reopened to map them" in caplog.text  # packed on this load
     # a later load runs the same copy without rewriting or checking it again
@@ -315,7 +316,7 @@ def test_the_memory_estimate_counts_the_windows_a_load_adds(
     estimate, without = estimate_memory(profile, d, "int8"), estimate_memory(off, d, "int8")
     # the reading it made is kept where the load looks for it
     sha = load_model_dir(d).variant("int8").sha256
-    assert (cache / f"{sha}{litert.PARSE_SUFFIX}").exists()
+    assert (cache / f"{sha}{cachefiles.PARSE_SUFFIX}").exists()
     engine = Engine(profile, d, quantization="int8")
     try:
         loaded = engine.loaded.memory

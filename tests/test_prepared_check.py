@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from agent.errors import AcceleratorError
-from agent.runtime import inline, litert
+from agent.runtime import cachefiles, inline, litert
 
 PROMPT = [1, 17, 33, 5, 200, 9, 41, 42, 43, 7]
 STEPS = 16
@@ -120,7 +120,7 @@ def test_a_copy_that_computes_something_else_is_refused_remembered_and_never_ser
     got_tokens, _ = _runner_greedy(loaded.runner, PROMPT, STEPS)
     assert got_tokens == want_tokens
     names = {f.name for f in cache.iterdir()}
-    assert f"{'b' * 64}.p{litert.PREPARED_FORMAT}.refused" in names
+    assert f"{'b' * 64}.p{cachefiles.PREPARED_FORMAT}.refused" in names
     assert not [n for n in names if n.endswith((".tflite", ".unchecked"))]
     loaded.runner.close()
     caplog.clear()

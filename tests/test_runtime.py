@@ -12,13 +12,15 @@ import numpy as np
 import pytest
 
 from agent.errors import AcceleratorError, BudgetError, ModelFormatError
-from agent.runtime import litert, modelfile
+from agent.runtime import cachefiles, litert, modelfile
 from agent.runtime.layout import discover_layout
 from agent.runtime.memory import keep_large_buffers_mapped
 from agent.runtime.modelfile import read_model_file
+from agent.runtime.plan import check_budget, plan_memory, plan_prefill
+from agent.runtime.prepared import PreparedModel
 from tests.tiny_models import LEGACY
 
-P = f"p{litert.PREPARED_FORMAT}"  # the prepared copies' format, in their names
+P = f"p{cachefiles.PREPARED_FORMAT}"  # the prepared copies' format, in their names
 
 LAYOUTS = [
     # (layout, prefill lengths, mask as input)
@@ -205,7 +207,7 @@ def test_plan_prefill_never_runs_past_the_cache(tiny_model_factory) -> None:
     layout = discover_layout(read_model_file(path))
     for start in range(0, 64):
         for n in range(1, 64 - start + 1):
-            calls = litert.plan_prefill(layout.full, n, start)
+            calls = plan_prefill(layout.full, n, start)
             assert sum(c.count for c in calls) == n
             assert [c.offset for c in calls] == list(np.cumsum([0] + [c.count for c in calls[:-1]]))
             for c in calls:
@@ -213,7 +215,7 @@ def test_plan_prefill_never_runs_past_the_cache(tiny_model_factory) -> None:
 
     # the cheapest plan: a call costs its padded length plus CALL_COST_TOKENS (8)
     def plan(n: int, start: int = 0) -> list[int]:
-        return [c.signature.length for c in litert.plan_prefill(layout.full, n, start)]
+        return [c.signature.length for c in plan_prefill(layout.full, n, start)]
 
     assert plan(5) == [8]  # one padded call, not five decode calls
     assert plan(20) == [16, 8]
@@ -221,7 +223,7 @@ def test_plan_prefill_never_runs_past_the_cache(tiny_model_factory) -> None:
     assert plan(1) == [1] and plan(2) == [8]
     assert plan(30) == [16, 16]
     # near the end only decode fits
-    assert [c.signature.key for c in litert.plan_prefill(layout.full, 3, 61)] == ["decode"] * 3
+    assert [c.signature.key for c in plan_prefill(layout.full, 3, 61)] == ["decode"] * 3
 
 
 def test_memory_budget_refusal_names_the_numbers(tiny_model_factory, make_profile) -> None:
@@ -231,16 +233,14 @@ def test_memory_budget_refusal_names_the_numbers(tiny_model_factory, make_profil
         kv={"host_max_bytes": 0, "prefix_max_bytes": 0},
     )
     # the tiny model fits in 16 MiB; a budget below its size must be refused before loading
-    plan = litert.plan_memory(
-        read_model_file(path), discover_layout(read_model_file(path)), profile
-    )
+    plan = plan_memory(read_model_file(path), discover_layout(read_model_file(path)), profile)
     assert plan.total < 16 * 1024 * 1024
     assert plan.weights == path.stat().st_size
     assert plan.kv_per_session == 2 * 2 * 64 * 32 * 4
-    litert.check_budget(plan, profile, path)  # fits: no error
+    check_budget(plan, profile, path)  # fits: no error
     many = dataclasses.replace(plan, sessions=1000)  # 1000 sessions of 32 KiB KV do not fit
     with pytest.raises(BudgetError) as err:
-        litert.check_budget(many, profile, path)
+        check_budget(many, profile, path)
     msg = str(err.value)
     assert "max_num_bytes = 16777216" in msg and "x 1000 session(s)" in msg
     assert f"weights {plan.weights / 2**20:.1f}" in msg
@@ -368,18 +368,18 @@ def test_xnnpack_weight_cache_file_is_written_reused_and_pruned(
     cache_dir = tmp_path / "xnnpack"
     profile = make_profile(runtime={"xnnpack_weight_cache_dir": str(cache_dir)})
     cache_dir.mkdir()
-    stale = cache_dir / f"{'0' * 64}{litert.WEIGHT_CACHE_SUFFIX}"
+    stale = cache_dir / f"{'0' * 64}{cachefiles.WEIGHT_CACHE_SUFFIX}"
     stale.write_bytes(b"packed weights of a model that was replaced")
-    stale_copy = cache_dir / f"{'0' * 64}.{P}-inlined-kv256.tflite{litert.UNCHECKED_SUFFIX}"
+    stale_copy = cache_dir / f"{'0' * 64}.{P}-inlined-kv256.tflite{cachefiles.UNCHECKED_SUFFIX}"
     stale_copy.write_bytes(b"a copy a load did not live to check")
-    mine = cache_dir / f"{'a' * 64}.{P}{litert.NO_WINDOWS_SUFFIX}"  # this model's, kept
+    mine = cache_dir / f"{'a' * 64}.{P}{cachefiles.NO_WINDOWS_SUFFIX}"  # this model's, kept
     mine.write_text("why its windows failed")
     theirs = cache_dir / "model.tflite"  # not named like the runtime's files: never removed
     theirs.write_bytes(b"someone else's file")
     # what loads killed while writing left: a prepared copy, a reading (mkstemp's name)
     killed = [
         cache_dir / f"{'0' * 64}.{P}-inlined.tflite.tmp",
-        cache_dir / f"{'a' * 64}{litert.PARSE_SUFFIX}k3_x9abq.tmp",
+        cache_dir / f"{'a' * 64}{cachefiles.PARSE_SUFFIX}k3_x9abq.tmp",
     ]
     for leftover in killed:
         leftover.write_bytes(b"half written")
@@ -387,10 +387,10 @@ def test_xnnpack_weight_cache_file_is_written_reused_and_pruned(
 
     first = litert.load(path, profile, cache_key="a" * 64)
     # the fused model runs with its composites inlined: that file has its own packed weights
-    cache = cache_dir / f"{'a' * 64}.{P}-inlined{litert.WEIGHT_CACHE_SUFFIX}"
-    inlined = cache_dir / f"{'a' * 64}.{P}-inlined{litert.MODEL_SUFFIX}"
+    cache = cache_dir / f"{'a' * 64}.{P}-inlined{cachefiles.WEIGHT_CACHE_SUFFIX}"
+    inlined = cache_dir / f"{'a' * 64}.{P}-inlined{cachefiles.MODEL_SUFFIX}"
     # what reading the model found is kept beside them
-    reading = cache_dir / f"{'a' * 64}{litert.PARSE_SUFFIX}"
+    reading = cache_dir / f"{'a' * 64}{cachefiles.PARSE_SUFFIX}"
     names = sorted(p.name for p in cache_dir.iterdir())  # stale files and leftovers pruned
     assert names == sorted([cache.name, inlined.name, theirs.name, mine.name, reading.name])
     written = cache.stat()
@@ -451,7 +451,7 @@ def test_unwritable_weight_cache_dir_packs_in_memory(tiny_model_factory, make_pr
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the cache directory should be")
     profile = make_profile(runtime={"xnnpack_weight_cache_dir": str(blocker / "xnnpack")})
-    assert litert.weight_cache_path(profile, "b" * 64) == litert.IN_MEMORY_WEIGHT_CACHE
+    assert cachefiles.weight_cache_path(profile, "b" * 64) == cachefiles.IN_MEMORY_WEIGHT_CACHE
     loaded = litert.load(path, profile, cache_key="b" * 64)
     assert loaded.accelerator == "xnnpack"
     assert not blocker.is_dir()
@@ -473,5 +473,5 @@ def test_no_working_accelerator_is_an_error(tiny_model_factory, make_profile) ->
             profile,
             "npu",
             False,
-            litert.PreparedModel(path, None),
+            PreparedModel(path, None),
         )

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from agent.engine.sampler import Sampler
 from agent.engine.types import RequestStats, TokenEvent
-from agent.runtime.litert import KVCache, Runner
+from agent.runtime.runner import KVCache, Runner
 from agent.runtime.tokenizer import DetokenizeStream
 
 

@@ -14,7 +14,7 @@ to 9.3 in the logits).
 then a few decode steps, teacher-forced with its own greedy tokens; `compare` feeds the same
 tokens through a runner (the `Runner` protocol: new_kv, reserve, prefill, decode) and reports
 the first step whose logits differ by more than the file's tolerance. Both run only on a first
-load: the outcome is kept beside the prepared copy (`agent.runtime.litert`).
+load: the outcome is kept beside the prepared copy (`agent.runtime.prepared`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from agent.errors import AgentError
 from agent.runtime.layout import ModelLayout
-from agent.runtime.modelfile import ModelFile
+from agent.runtime.modelinfo import ModelFile
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ TOLERANCE = {"float": 1e-4, "int8": 2e-2, "int4": 3e-2}
 
 
 class _Runs(Protocol):
-    """The part of `agent.runtime.litert.Runner` a check needs."""
+    """The part of `agent.runtime.runner.Runner` a check needs."""
 
     layout: ModelLayout
 

@@ -1,0 +1,229 @@
+"""What the engine runs a model through (`Runner`, `KVCache`), and the part both execution
+paths share (`RunnerBase`): prefill plans, decode, KV rows and KV windows on top of one
+``_run(signature, kv, tokens, pos)`` per path (`agent.runtime.compiled`,
+`agent.runtime.interpreter`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from agent.errors import ModelFormatError, RuntimeFailure
+from agent.runtime import cachefiles
+from agent.runtime.layout import ModelLayout, Signature, Window
+from agent.runtime.plan import plan_prefill
+
+Logits = npt.NDArray[np.float32]
+_NEG = np.float32(-np.inf)
+
+_K = TypeVar("_K")
+
+
+class KVCache(Protocol):
+    """One session's KV cache as the runner holds it (opaque above the runtime)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class Runner(Protocol):
+    """What the engine needs from a runtime."""
+
+    layout: ModelLayout
+    accelerator: str
+
+    def new_kv(self) -> KVCache: ...
+    def reserve(self, kv: KVCache, rows: int, keep: int) -> None: ...
+    def read_rows(self, kv: KVCache, rows: int) -> dict[str, npt.NDArray[Any]]: ...
+    def write_rows(self, kv: KVCache, arrays: Mapping[str, npt.NDArray[Any]]) -> None: ...
+    def prefill(self, kv: KVCache, tokens: Sequence[int], start: int) -> None: ...
+    def decode(self, kv: KVCache, token: int, pos: int) -> Logits:
+        """The next token's logits: the runner's own array, which its next call overwrites
+        (copy it to keep it)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def causal_mask(
+    rows: int, first_pos: int, ctx: int, shape: tuple[int, ...]
+) -> npt.NDArray[np.float32]:
+    """Causal mask: row i may attend to positions <= first_pos + i."""
+    cols = np.arange(ctx, dtype=np.int64)[None, :]
+    limit = first_pos + np.arange(rows, dtype=np.int64)[:, None]
+    m = np.where(cols <= limit, np.float32(0), _NEG).astype(np.float32)
+    return m.reshape(shape)
+
+
+class RunnerBase(Generic[_K]):
+    """Prefill plans, decode and KV rows on top of one `_run(signature, kv, tokens, pos)` per
+    path. A cache runs in one KV window at a time (`_window`); a path with windows moves it to
+    another in `_switch`."""
+
+    layout: ModelLayout
+    accelerator: str
+    _kv_type: type[_K]
+    _held: Path | None = None  # <weight cache dir>/<cache key> of the files it runs
+
+    def hold_cache_files(self, directory: Path | None, cache_key: str | None) -> None:
+        """Keep the files of `cache_key` in weight cache `directory` while this runner is open:
+        another load into the directory (an update loaded beside this model) prunes the rest."""
+        if directory is None or cache_key is None or self._held is not None:
+            return
+        self._held = key = directory / cache_key
+        cachefiles.hold(key)
+
+    def _release_cache_files(self) -> None:
+        key, self._held = self._held, None
+        if key is None:
+            return
+        cachefiles.release(key)
+
+    def _run(self, sig: Signature, kv: _K, tokens: Sequence[int], pos: int) -> None:
+        raise NotImplementedError
+
+    def _logits(self, sig: Signature) -> Logits:
+        """The logits output of decode signature `sig` after its run."""
+        raise NotImplementedError
+
+    def _own(self, kv: KVCache) -> _K:
+        """A KV handle is only valid with the runner that made it."""
+        if not isinstance(kv, self._kv_type):
+            raise TypeError(f"KV cache {type(kv).__name__} does not belong to this runner")
+        return kv
+
+    def new_kv(self) -> _K:
+        raise NotImplementedError
+
+    def _window(self, kv: _K) -> Window:
+        """The KV window a cache is in now."""
+        return self.layout.full
+
+    def _switch(self, kv: _K, window: int, keep: int) -> None:
+        """Move a cache to window `window` (index into `all_windows`), keeping `keep` rows."""
+        raise NotImplementedError
+
+    def _full(self, kv: _K, name: str) -> npt.NDArray[Any]:
+        """One KV tensor of a cache as a host array (a copy or a view)."""
+        raise NotImplementedError
+
+    def _store(self, kv: _K, name: str, array: npt.NDArray[Any]) -> None:
+        """Replace one KV tensor of a cache."""
+        raise NotImplementedError
+
+    def _seq_axis(self, name: str) -> int:
+        kv = self.layout.kv
+        return kv.k_seq_axis if "_k_" in name else kv.v_seq_axis
+
+    def _seq_index(self, name: str, rows: int) -> tuple[Any, ...]:
+        """Index of the first `rows` cache rows of one KV tensor."""
+        index: list[Any] = [slice(None)] * len(self.layout.kv.k_shape)
+        index[self._seq_axis(name)] = slice(0, rows)
+        return tuple(index)
+
+    def reserve(self, kv: KVCache, rows: int, keep: int) -> None:
+        """Put a cache in the smallest KV window that holds `rows` rows, keeping its first
+        `keep` rows (copied when it moves). Without windows there is nothing to do."""
+        self._reserve(self._own(kv), rows, keep)
+
+    def _reserve(self, own: _K, rows: int, keep: int) -> None:
+        if self.layout.windows:
+            target = self.layout.window_for(rows)
+            if self.layout.all_windows()[target].length != self._window(own).length:
+                self._switch(own, target, min(keep, rows))
+
+    def _grow(self, own: _K, rows: int, keep: int) -> None:
+        """`reserve`, but only ever up: a running request outgrowing its window."""
+        if rows > self._window(own).length:
+            self._reserve(own, rows, keep)
+
+    def read_rows(self, kv: KVCache, rows: int) -> dict[str, npt.NDArray[Any]]:
+        """A copy of the first `rows` cache rows of every KV tensor: what a spill keeps."""
+        own = self._own(kv)
+        # Always a copy: `_full` of a host cache is the live array, and a slice of it can be
+        # contiguous already (one KV head), where ascontiguousarray would return a view that
+        # the next user of the cache overwrites.
+        return {
+            name: np.array(self._full(own, name)[self._seq_index(name, rows)], order="C")
+            for name in self.layout.kv.names()
+        }
+
+    def write_rows(self, kv: KVCache, arrays: Mapping[str, npt.NDArray[Any]]) -> None:
+        """Put rows saved by `read_rows` back at the start of a cache; later rows are zeroed
+        (the causal mask hides them either way)."""
+        own = self._own(kv)
+        if set(arrays) != set(self.layout.kv.names()):
+            raise ModelFormatError("saved KV rows do not match this model's KV tensors")
+        some = next(iter(arrays))
+        self._reserve(own, arrays[some].shape[self._seq_axis(some)], 0)  # rows from `arrays`
+        self._put_rows(own, arrays)
+
+    def _put_rows(self, own: _K, arrays: Mapping[str, npt.NDArray[Any]]) -> None:
+        layout = self._window(own).kv
+        for name, rows in arrays.items():
+            shape = layout.k_shape if "_k_" in name else layout.v_shape
+            full = np.zeros(shape, dtype=np.float32)
+            index = self._seq_index(name, rows.shape[self._seq_axis(name)])
+            try:
+                full[index] = rows
+            except ValueError as exc:
+                raise ModelFormatError(f"saved KV rows of {name} do not fit: {exc}") from exc
+            self._store(own, name, full)
+
+    def prefill(self, kv: KVCache, tokens: Sequence[int], start: int) -> None:
+        own = self._own(kv)
+        self._grow(own, start + len(tokens), start)
+        for call in plan_prefill(self._window(own), len(tokens), start):
+            chunk = tokens[call.offset : call.offset + call.count]
+            self._run(call.signature, own, chunk, start + call.offset)
+
+    def check_windows(self, tolerance: float = 1e-3) -> str | None:
+        """Run every signature of each KV window, then one decode step, on the same tokens as
+        the full length's signature of the same length; the first failure, or difference in
+        the logits beyond `tolerance` (relative to the largest logit), as text, or None.
+        Measured on the SmolLM-shaped int8 and int4 files: the logits are bit-identical."""
+        windows = self.layout.all_windows()
+        top = len(windows) - 1
+        longest = max((p.length for w in windows[:-1] for p in w.prefill), default=0)
+        tokens = [(7919 * i + 11) % self.layout.vocab_size for i in range(longest + 1)]
+
+        def logits(index: int, n: int) -> Logits:
+            """Prefill `n` tokens with window `index`'s signature of that length, then decode."""
+            window = windows[index]
+            kv = self.new_kv()
+            if self._window(kv).length != window.length:
+                self._switch(kv, index, 0)
+            if n:
+                self._run(next(p for p in window.prefill if p.length == n), kv, tokens[:n], 0)
+            self._run(window.decode, kv, [tokens[n]], n)
+            return self._logits(window.decode).copy()
+
+        want: dict[int, Logits] = {}
+        for index, window in enumerate(windows[:-1]):
+            for n in (0, *(p.length for p in window.prefill)):
+                if n not in want:
+                    want[n] = logits(top, n)
+                try:
+                    got = logits(index, n)
+                except RuntimeFailure as exc:
+                    return f"window kv{window.length} after {n} prefilled tokens: {exc}"
+                scale = max(1.0, float(np.max(np.abs(want[n]))))
+                err = float(np.max(np.abs(got - want[n])))
+                if not err <= tolerance * scale:  # NaN fails too
+                    return (
+                        f"window kv{window.length} after {n} prefilled tokens: logits differ "
+                        f"from the full length by {err:.3g} (largest logit {scale:.3g})"
+                    )
+        return None
+
+    def decode(self, kv: KVCache, token: int, pos: int) -> Logits:
+        own = self._own(kv)
+        self._grow(own, pos + 1, pos)
+        sig = self._window(own).decode
+        self._run(sig, own, [token], pos)
+        return self._logits(sig)
