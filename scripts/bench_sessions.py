@@ -195,7 +195,7 @@ def daemon_rss(model_dir: Path, quant: str, tmp: Path) -> dict[str, Any]:
 
 
 def history_text_for(model_dir: Path, n: int) -> str:
-    from agent.runtime.tokenizer import load_tokenizer
+    from agent.runtime.tokenizer_load import load_tokenizer
 
     tok = load_tokenizer(load_model_dir(model_dir).tokenizer_path)
     src = (ROOT / "agent" / "engine" / "engine.py").read_text()

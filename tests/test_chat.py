@@ -22,7 +22,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from agent.engine.chat import ChatMessage, ChatTemplate, encode_pieces, end_of_turn_ids
 from agent.errors import InvalidRequest
-from agent.runtime.tokenizer import load_tokenizer
+from agent.runtime.tokenizer_load import load_tokenizer
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 NAMES = ("chatml", "qwen2_5", "llama3", "llama3_2", "gemma2", "gemma3", "phi4", "phi4_mini")

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from agent.errors import InvalidRequest, ModelFormatError
 from agent.modeldir import demo_model_dir
-from agent.runtime.tokenizer import TokenizerConfig, load_tokenizer
+from agent.runtime.tokenizer import TokenizerConfig
+from agent.runtime.tokenizer_load import load_tokenizer
 from agent.runtime.tokenizer_sp import SentencePieceTokenizer as Tokenizer
 
 # U+2581 is SentencePiece's own space marker; text containing it cannot round-trip by design.

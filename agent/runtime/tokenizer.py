@@ -1,9 +1,6 @@
-"""The tokenizer interface, and `load_tokenizer` that picks the implementation by file.
-
-* ``tokenizer.model``: SentencePiece (`agent.runtime.tokenizer_sp`), as the demo model and
-  Gemma ship it.
-* ``tokenizer.json``: Hugging Face ``tokenizers`` (`agent.runtime.tokenizer_hf`): byte-level
-  BPE (Qwen, Llama 3, SmolLM2, Phi-4, DeepSeek-distill) or Metaspace with byte fallback.
+"""The tokenizer interface both kinds implement: SentencePiece (`agent.runtime.tokenizer_sp`)
+and Hugging Face ``tokenizers`` (`agent.runtime.tokenizer_hf`);
+`agent.runtime.tokenizer_load.load_tokenizer` picks the kind by file.
 
 Beside either one, a ``tokenizer_config.json`` as Hugging Face ships it may say
 ``add_bos_token`` / ``add_eos_token`` and name ``bos_token`` / ``eos_token`` (the strings a
@@ -118,15 +115,3 @@ def read_tokenizer_config(directory: Path) -> TokenizerConfig:
         bos_token=_token_string(raw.get("bos_token"), "bos_token", where),
         eos_token=_token_string(raw.get("eos_token"), "eos_token", where),
     )
-
-
-def load_tokenizer(path: Path) -> Tokenizer:
-    """The tokenizer in `path`, by its name: ``*.json`` is Hugging Face, else SentencePiece."""
-    config = read_tokenizer_config(path.parent)
-    if path.suffix == ".json":
-        from agent.runtime.tokenizer_hf import HFTokenizer
-
-        return HFTokenizer(path, config)
-    from agent.runtime.tokenizer_sp import SentencePieceTokenizer
-
-    return SentencePieceTokenizer(path, config)
