@@ -6,9 +6,12 @@ engine thread admits requests into a bounded number of KV slots, steps them roun
 fallen behind is simply skipped until it catches up. `generate` / `complete` are the
 synchronous conveniences on top.
 
-Beside it: `loading` (the model, its tokenizer and the KV slots the budget holds), `intake`
-(a request checked and fitted to the context, or refused), `request` (the handle and the
-in-flight request), `sessions` (the KV tiers), `stats` (what the engine reports).
+Beside it, one noun each: `loading` (the model, its tokenizer and the KV slots the budget
+holds), `intake` (a request checked and fitted to the context, or refused), `request` (the
+handle and the in-flight request), `scheduler` (whose turn it is), `binding` (a request's KV
+cache and the prefix cache), `generation` (one request's prefill and decode), `session` /
+`sessions` / `kvpool` (a conversation, the KV tiers, the runtime caches), `sessioncalls` (the
+engine's session API) and `stats` / `types` (the values it hands out).
 """
 
 from __future__ import annotations
