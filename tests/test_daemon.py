@@ -15,10 +15,10 @@ import pytest
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from agent.pb.edge_agent.v1 import agent_pb2_grpc as pb_grpc
 from agent.rpc.client import Client, SessionEntry, build_request
-from agent.runtime import litert
+from agent.runtime import cachefiles
 from tests.daemon_harness import Daemon
 
-P = f"p{litert.PREPARED_FORMAT}"  # the prepared copies' format, in their names
+P = f"p{cachefiles.PREPARED_FORMAT}"  # the prepared copies' format, in their names
 
 
 def req(prompt: str = "def f(x):", n: int = 8, seed: int = 1, **kw) -> pb.GenerateRequest:
@@ -62,7 +62,7 @@ def test_the_generic_profile_gets_a_weight_cache_dir_from_the_daemon(
 ) -> None:
     """The generic profile names no `xnnpack_weight_cache_dir`; the daemon keeps packed weights
     and the prepared copy in its state directory, or in systemd's cache directory."""
-    from agent.daemon import _with_weight_cache
+    from agent.daemon.plan import with_weight_cache
     from agent.modeldir import load_model_dir
 
     sha = load_model_dir(tiny_model_dir).variant("int8").sha256
@@ -74,13 +74,13 @@ def test_the_generic_profile_gets_a_weight_cache_dir_from_the_daemon(
     ]
     assert dev_profile.runtime.xnnpack_weight_cache_dir is None
     monkeypatch.setenv("CACHE_DIRECTORY", "/var/cache/edge-agent:/var/cache/other")
-    got = _with_weight_cache(dev_profile, tmp_path).runtime.xnnpack_weight_cache_dir
+    got = with_weight_cache(dev_profile, tmp_path).runtime.xnnpack_weight_cache_dir
     assert got == Path("/var/cache/edge-agent/xnnpack")
     monkeypatch.delenv("CACHE_DIRECTORY")
-    got = _with_weight_cache(dev_profile, tmp_path).runtime.xnnpack_weight_cache_dir
+    got = with_weight_cache(dev_profile, tmp_path).runtime.xnnpack_weight_cache_dir
     assert got == tmp_path / "cache" / "xnnpack"
-    board = _with_weight_cache(dev_profile, tmp_path)  # a profile that names one keeps it
-    assert _with_weight_cache(board, tmp_path / "other") == board
+    board = with_weight_cache(dev_profile, tmp_path)  # a profile that names one keeps it
+    assert with_weight_cache(board, tmp_path / "other") == board
 
 
 def test_generate_streams_and_matches_in_process_engine(

@@ -1,0 +1,291 @@
+"""The daemon: composition root and lifecycle (startup → main loop with a tick → shutdown).
+
+Signal handlers only set flags and wake the main loop (`agent.daemon.signals`). The tick sends
+the systemd watchdog ping — only while the engine thread answers its heartbeat, so a wedged
+engine gets the service restarted — and a STATUS line when it changed. SIGHUP re-reads the
+configuration and the profile and, when the model changed, loads the new engine beside the old
+one, switches new requests to it and drains the old one (`agent.daemon.serving`): the socket
+stays bound and no request is dropped. SIGTERM stops accepting, drains in-flight requests
+within the configured timeout, and exits.
+
+Start-up refuses, before it loads anything, what would harm the host or another daemon: the
+state directory is locked for the daemon's life (`agent.statelock`), and a socket path that is
+not a socket, is live, or has no parent is refused (`agent.rpc.unixsocket`); each is one line
+and exit 2, with nothing on the host changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from agent import __version__
+from agent.config import load_config
+from agent.daemon.plan import (
+    Overrides,
+    Plan,
+    apply_overrides,
+    build_engine,
+    load_plan,
+    shipped_ref,
+    state_dir,
+    with_update,
+)
+from agent.daemon.serving import Serving
+from agent.daemon.signals import Requests
+from agent.daemon.updates import DaemonUpdateHost
+from agent.engine.engine import Engine
+from agent.engine.stats import ModelInfo
+from agent.errors import Unavailable
+from agent.fleet.agent import FleetAgent, resolve_device_id
+from agent.ota.store import Store
+from agent.ota.updater import Updater
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
+from agent.rpc import unixsocket
+from agent.rpc.server import Server
+from agent.statelock import StateLock
+from agent.status import AgentStatus, rss_bytes
+from agent.systemd import Notifier
+
+log = logging.getLogger("agent.daemon")  # the name its lines have always had ("ready in")
+
+
+class Daemon:
+    def __init__(self, overrides: Overrides, notifier: Notifier | None = None) -> None:
+        self.overrides = overrides
+        self.config = apply_overrides(load_config(overrides.config_path), overrides)
+        self.notifier = notifier or Notifier.from_env()
+        self._serving = Serving(self._load, lambda: self.config.limits.drain_timeout_s)
+        self._requests = Requests()
+        self._started = time.monotonic()
+        self._last_status = ""
+        self._fleet: FleetAgent | None = None
+        self._updater: Updater | None = None
+
+    # ------------------------------------------------------------------ Backend protocol
+
+    def engine(self) -> Engine:
+        s = self._serving
+        if s.engine is None or s.state in ("starting", "stopping"):
+            raise Unavailable(f"the agent is {s.state}")
+        return s.engine
+
+    def model_info(self) -> ModelInfo:
+        if self._serving.engine is None:
+            raise Unavailable(f"the agent is {self._serving.state}")
+        return self._serving.engine.info
+
+    def reload(self) -> asyncio.Future[fpb.ReloadDone]:
+        """Ask for a reload (as SIGHUP does); the future resolves when it has finished."""
+        return self._requests.reload()
+
+    async def offer_update(self, signed: bytes) -> fpb.UpdateStatus:
+        assert self._updater is not None
+        return await self._updater.offer(signed)
+
+    async def cancel_update(self, signed: bytes) -> fpb.UpdateStatus:
+        assert self._updater is not None
+        return await self._updater.cancel(signed)
+
+    def status(self) -> AgentStatus:
+        e, plan = self._serving.engine, self._serving.plan
+        if e is None or plan is None:
+            raise Unavailable(f"the agent is {self._serving.state}")
+        return AgentStatus(
+            profile=plan.profile.name,
+            version=__version__,
+            state=self._serving.state,
+            uptime_s=time.monotonic() - self._started,
+            rss_bytes=rss_bytes(),
+            budget_bytes=e.memory.budget,
+            planned_bytes=e.memory.total,
+            model=f"{e.info.name} {e.info.version} {e.info.quantization}",
+            active_sessions=e.session_count(),
+            engine=e.stats(),
+            kv=e.tier_stats(),
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> int:
+        self._requests.install(asyncio.get_running_loop(), self._inject_stall)
+        t0 = time.monotonic()
+        unixsocket.check(self.config.server.socket)  # refused before anything changes
+        lock = StateLock.acquire(state_dir(self.overrides))  # before anything writes there
+        try:
+            return await self._serve(t0)
+        finally:
+            lock.release()
+
+    async def _serve(self, t0: float) -> int:
+        s = self._serving
+        base = load_plan(self.config, self.overrides)
+        self._updater = Updater(Store(base.state_dir), self.config.updates, shipped_ref(base))
+        self._updater.boot()
+        plan = s.plan = with_update(base, self._updater)
+        self.notifier.status(f"loading {plan.model_dir.name} on {plan.profile.name}")
+        engine = s.engine = await self._load(plan)
+        try:
+            server = s.server = Server(self, self.config.server, self.config.limits.max_tokens)
+            await server.start()  # checks the socket path again, as it binds
+        except BaseException:
+            engine.stop(0)
+            engine.close()
+            raise
+        s.state = "serving"
+        await server.set_serving(True)
+        info = engine.info
+        log.info(
+            "ready in %.2f s: %s %s (%s) on %s via %s, profile %s; listening on %s",
+            time.monotonic() - t0,
+            info.name,
+            info.version,
+            info.quantization,
+            info.accelerator,
+            info.execution_path,
+            plan.profile.name,
+            ", ".join(server.addresses),
+        )
+        self._start_fleet()
+        self._updater.blocks = self._fleet.link if self._fleet is not None else None
+        self._updater.attach(DaemonUpdateHost(s, self._updater, lambda: self.config, self._fleet))
+        await self._updater.resume()
+        self.notifier.ready(self._status_line())
+        try:
+            await self._main_loop(server)
+        finally:
+            await self._shutdown(server)
+        return 0
+
+    def _start_fleet(self) -> None:
+        """The MQTT fleet link, when a broker is configured; it never blocks the daemon."""
+        fleet = self.config.fleet
+        if fleet.broker is None:
+            log.info("fleet: no broker configured; the fleet link is off")
+            return
+        assert self._serving.plan is not None
+        device = resolve_device_id(fleet)
+        loop = asyncio.get_running_loop()
+        self._fleet = FleetAgent(fleet, device, self._serving.plan.state_dir, self, loop)
+        self._fleet.start()
+
+    async def _load(self, plan: Plan) -> Engine:
+        """Build an engine off the event loop. Meanwhile, every tick asks systemd for more time
+        (EXTEND_TIMEOUT_USEC: a large model on a slow board must not hit TimeoutStartSec) and,
+        during a reload, keeps the watchdog fed for the engine that is still serving."""
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(None, build_engine, plan)
+        tick = self.config.watchdog.tick_s
+        while True:
+            self.notifier.extend_timeout(int(3 * tick * 1e6))
+            done, _ = await asyncio.wait({future}, timeout=tick)
+            if done:
+                return future.result()
+            self._tick()
+
+    def _inject_stall(self) -> None:
+        if self._serving.engine is not None:
+            log.warning("fault injection: stalling the engine thread")
+            self._serving.engine.inject_stall(3600.0)
+
+    async def _main_loop(self, server: Server) -> None:
+        tick = self.config.watchdog.tick_s
+        while not self._requests.stop:
+            await self._requests.wait(tick)
+            waiters = self._requests.take_reload()
+            if waiters is not None:
+                done = await self._do_reload()
+                for w in waiters:
+                    if not w.done():
+                        w.set_result(done)
+                if self._fleet is not None:
+                    self._fleet.reload_done(done)  # on disk before READY says it is over
+                self.notifier.ready(self._status_line())
+            self._tick()
+
+    def _tick(self) -> None:
+        e = self._serving.engine
+        if e is None:
+            return
+        age = e.heartbeat_age()
+        if age < self.config.watchdog.engine_stall_s:
+            self.notifier.watchdog()
+        else:
+            # no WATCHDOG=1: systemd restarts us after WatchdogSec
+            log.error("engine thread has not answered for %.1f s; withholding the watchdog", age)
+        line = self._status_line()
+        if line != self._last_status:
+            self._last_status = line
+            self.notifier.status(line)
+        if self._fleet is not None:
+            self._fleet.tick()
+
+    def _status_line(self) -> str:
+        e, server = self._serving.engine, self._serving.server
+        if e is None:
+            return self._serving.state
+        s = e.stats()
+        # a TCP port may be ephemeral (--tcp 127.0.0.1:0): the one bound is said here
+        tcp = [a for a in (server.addresses if server else []) if a[:5] != "unix:"]
+        return (
+            f"{self._serving.state}: {e.info.name} {e.info.quantization} on "
+            f"{e.info.accelerator}; {s.active} active, {s.queue_depth} queued, "
+            f"{s.requests_total} done" + (f"; tcp {', '.join(tcp)}" if tcp else "")
+        )
+
+    async def _do_reload(self) -> fpb.ReloadDone:
+        self.notifier.reloading("reloading configuration and profile")
+        log.info("reload requested (SIGHUP)")
+        s = self._serving
+        done = fpb.ReloadDone(ok=True)
+        try:
+            config = apply_overrides(load_config(self.overrides.config_path), self.overrides)
+            plan = with_update(load_plan(config, self.overrides), self._updater)
+            if config.fleet != self.config.fleet:
+                log.warning("reload: [fleet] changes take effect at the next restart")
+            self.config = config
+            if plan != s.plan:
+                s.state = "reloading"
+                new = await s.switch_to(plan)
+                log.info("reloaded: now serving %s %s", new.info.name, new.info.quantization)
+                done.message = "reloaded"
+            else:
+                log.info("reload: model and profile unchanged")
+                done.message = "model and profile unchanged"
+        except Exception as exc:  # a bad new config keeps the old one serving
+            log.error("reload failed, keeping the previous model: %s", exc)
+            done.ok, done.message = False, f"reload failed, the previous model serves: {exc}"
+        s.state = "serving"
+        if s.engine is not None:
+            i = s.engine.info
+            done.model = f"{i.name} {i.version} {i.quantization}"
+        return done
+
+    async def _shutdown(self, server: Server) -> None:
+        loop = asyncio.get_running_loop()
+        s = self._serving
+        s.state = "stopping"
+        if self._updater is not None:
+            self._updater.stop()
+        timeout = self.config.limits.drain_timeout_s
+        self.notifier.stopping(f"stopping: draining in-flight requests (up to {timeout:.0f} s)")
+        await server.set_serving(False)
+        if s.engine is not None:
+            engine = s.engine
+            drained = await loop.run_in_executor(None, engine.stop, timeout)
+            log.info(
+                "shutdown: %s", "drained" if drained else "drain timed out, cancelled the rest"
+            )
+        await server.stop(grace=1.0)
+        s.join_draining(timeout)
+        if self._fleet is not None:
+            self._fleet.stop()  # after the drain: "offline" means no request is running
+        if s.engine is not None:
+            s.engine.close()
+        log.info("stopped")
+
+
+def run_daemon(overrides: Overrides) -> int:
+    """Entry point of `edge-agent run`."""
+    return asyncio.run(Daemon(overrides).run())

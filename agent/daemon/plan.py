@@ -1,0 +1,156 @@
+"""The run plan: which engine the daemon runs, from the config file, the profile and the
+command line (`Overrides`, which win over both).
+
+`apply_overrides` is pure; `load_plan` does the I/O a plan needs (it resolves the profile and,
+when no quantization is configured, opens the model to choose one); `build_engine` loads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.config import AgentConfig, parse_broker
+from agent.engine.engine import Engine, EngineLimits
+from agent.errors import ConfigError
+from agent.fleet.topics import check_device_id
+from agent.modeldir import ModelMeta, demo_model_dir
+from agent.ota.store import ModelRef
+from agent.ota.updater import Updater
+from agent.profile import DeviceProfile, choose_quantization, resolve_profile
+from agent.runtime.modelopen import open_model, unpack_cache_dir
+
+log = logging.getLogger("agent.daemon")  # the daemon's lines keep one logger name
+
+DEFAULT_STATE_DIR = Path("/var/lib/edge-agent")  # systemd's StateDirectory=edge-agent
+
+
+@dataclass(frozen=True, slots=True)
+class Overrides:
+    """Command-line values that win over the config file and the profile."""
+
+    config_path: Path | None = None
+    profile: str | None = None
+    model: Path | None = None
+    quantization: str | None = None
+    socket: Path | None = None
+    tcp: str | None = None
+    state_dir: Path | None = None
+    broker: str | None = None  # mqtt://HOST:PORT | mqtts://HOST:PORT
+    device_id: str | None = None
+
+
+def apply_overrides(config: AgentConfig, o: Overrides) -> AgentConfig:
+    server = config.server
+    if o.socket is not None:
+        server = dataclasses.replace(server, socket=o.socket)
+    if o.tcp is not None:
+        from agent.config import check_tcp
+
+        check_tcp("--tcp", "tcp", o.tcp, server.allow_remote_tcp)
+        server = dataclasses.replace(server, tcp=o.tcp)
+    model = config.model
+    if o.model is not None:
+        model = dataclasses.replace(model, path=o.model)
+    if o.quantization is not None:
+        model = dataclasses.replace(model, quantization=o.quantization)
+    fleet = config.fleet
+    if o.broker is not None:
+        fleet = dataclasses.replace(fleet, broker=parse_broker("--broker", "broker", o.broker))
+    if o.device_id is not None:
+        try:
+            check_device_id(o.device_id)
+        except ValueError as exc:
+            raise ConfigError("--device-id", "device_id", o.device_id, str(exc)) from exc
+        fleet = dataclasses.replace(fleet, device_id=o.device_id)
+    return dataclasses.replace(config, server=server, model=model, fleet=fleet)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Everything that decides which engine to run; a reload rebuilds when this changes."""
+
+    profile: DeviceProfile
+    model_dir: Path
+    quantization: str | None
+    limits: EngineLimits
+    state_dir: Path
+
+
+def state_dir(overrides: Overrides) -> Path:
+    return overrides.state_dir or DEFAULT_STATE_DIR
+
+
+def load_plan(config: AgentConfig, overrides: Overrides) -> Plan:
+    """The plan for the configured model, its variant chosen here once (the engine is then
+    told which: the profile's choice is made, and logged, one time per start or reload)."""
+    profile, reasons = resolve_profile(overrides.profile)
+    for r in reasons:
+        log.info("profile %s: %s", profile.name, r)
+    model_dir = config.model.path or profile.model.path or demo_model_dir()
+    lim = config.limits
+    directory = state_dir(overrides)
+    plan = Plan(
+        with_weight_cache(profile, directory),
+        model_dir,
+        config.model.quantization,
+        EngineLimits(lim.max_active, lim.queue_capacity, lim.max_pending_events, lim.max_sessions),
+        directory,
+    )
+    if plan.quantization is None:
+        meta = open_plan_model(plan, model_dir)
+        quant = choose_quantization(plan.profile, [v.quantization for v in meta.variants])
+        plan = dataclasses.replace(plan, quantization=quant)
+    return plan
+
+
+def with_weight_cache(profile: DeviceProfile, state_dir: Path) -> DeviceProfile:
+    """A profile that names no `xnnpack_weight_cache_dir` (the generic development profile)
+    still gets one in the daemon: `xnnpack` in systemd's CacheDirectory (``$CACHE_DIRECTORY``)
+    or else in the state directory. Without it every start packs the weights again and the
+    model runs without its composites inlined or KV windows added (docs/PROFILES.md)."""
+    if profile.runtime.xnnpack_weight_cache_dir is not None:
+        return profile
+    cache = os.environ.get("CACHE_DIRECTORY", "").split(":")[0]
+    directory = (Path(cache) if cache else state_dir / "cache") / "xnnpack"
+    log.info("profile %s names no xnnpack_weight_cache_dir: using %s", profile.name, directory)
+    runtime = dataclasses.replace(profile.runtime, xnnpack_weight_cache_dir=directory)
+    return dataclasses.replace(profile, runtime=runtime)
+
+
+def with_update(plan: Plan, updater: Updater | None) -> Plan:
+    """The model an installed update made current wins over config and profile."""
+    if updater is None or updater.store.installed() is None:
+        return plan
+    ref = updater.serving_ref()
+    return dataclasses.replace(plan, model_dir=Path(ref.model_dir), quantization=ref.quantization)
+
+
+def build_engine(plan: Plan) -> Engine:
+    return Engine(
+        plan.profile,
+        plan.model_dir,
+        quantization=plan.quantization,
+        limits=plan.limits,
+        state_dir=plan.state_dir,
+    )
+
+
+def open_plan_model(plan: Plan, model: Path) -> ModelMeta:
+    """A model directory or a `.litertlm` bundle, extracted where its engine will look."""
+    return open_model(
+        model, unpack_cache_dir(plan.profile.runtime.xnnpack_weight_cache_dir, plan.state_dir)
+    )
+
+
+def shipped_ref(plan: Plan) -> ModelRef:
+    """The model that serves when no update was ever installed (version 0)."""
+    meta = open_plan_model(plan, plan.model_dir)
+    quant = plan.quantization or choose_quantization(
+        plan.profile, [v.quantization for v in meta.variants]
+    )
+    variant = meta.variant(quant)
+    return ModelRef(str(plan.model_dir), quant, variant.sha256, 0, meta.version)

@@ -1,0 +1,103 @@
+"""The daemon's side of an update (`agent.ota.updater.UpdateHost`): what the updater checks a
+bundle against, activating an installed model (its canary run before it serves), checking the
+model that serves, reporting to the fleet and pruning the weight cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+from agent import __version__
+from agent.cli.canary import engine_model
+from agent.config import AgentConfig
+from agent.daemon.plan import open_plan_model
+from agent.daemon.serving import Serving
+from agent.fleet.agent import FleetAgent
+from agent.ota import canary
+from agent.ota.manifest import InstallContext
+from agent.ota.store import ModelRef
+from agent.ota.updater import Updater
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
+from agent.runtime.cachefiles import prune_weight_cache
+
+log = logging.getLogger("agent.daemon")  # the daemon's lines keep one logger name
+
+
+class DaemonUpdateHost:
+    """An `UpdateHost` over what serves; `config` is the configuration in force (a reload may
+    replace it), `fleet` the fleet link that hears the reports (None without a broker)."""
+
+    def __init__(
+        self,
+        serving: Serving,
+        updater: Updater,
+        config: Callable[[], AgentConfig],
+        fleet: FleetAgent | None,
+    ) -> None:
+        self._serving = serving
+        self._updater = updater
+        self._config = config
+        self._fleet = fleet
+
+    def install_context(self, installed: ModelRef) -> InstallContext:
+        plan = self._serving.plan
+        assert plan is not None
+        inst = self._updater.installed()
+        return InstallContext(
+            model_name=open_plan_model(plan, Path(installed.model_dir)).name,
+            installed_version=installed.version,
+            installed_sha256=installed.sha256,
+            profile=plan.profile.name,
+            arch=platform.machine(),
+            agent_version=__version__,
+            finished_update_ids=frozenset(inst.finished),
+            max_payload_bytes=self._config().updates.max_payload_bytes,
+        )
+
+    async def activate(self, ref: ModelRef, canary_spec: opb.Canary | None) -> None:
+        s = self._serving
+        assert s.plan is not None
+        plan = dataclasses.replace(
+            s.plan, model_dir=Path(ref.model_dir), quantization=ref.quantization
+        )
+        s.state = "reloading"
+        try:
+            await s.switch_to(plan, lambda e: canary.check(engine_model(e), canary_spec))
+        finally:
+            s.state = "serving"
+        log.info("update: now serving %s (%s)", ref.model_dir, ref.label or ref.version)
+
+    async def check_serving(self, canary_spec: opb.Canary | None) -> str | None:
+        e = self._serving.engine
+        if e is None:
+            return "no engine is serving"
+        age = e.heartbeat_age()
+        if age >= self._config().watchdog.engine_stall_s:
+            return f"the engine thread has not answered for {age:.1f} s"
+        if canary_spec is None or not canary_spec.expected_tokens:
+            return None
+        want = list(canary_spec.expected_tokens)
+        got = await asyncio.get_running_loop().run_in_executor(
+            None, canary.expected_tokens, engine_model(e), canary_spec.prompt, len(want)
+        )
+        return None if got == want else f"greedy tokens {got} != expected {want}"
+
+    def report(self, status: fpb.UpdateStatus, key: str = "") -> None:
+        if self._fleet is not None:
+            self._fleet.report_update(status, key)
+
+    def remove_unused_caches(self) -> None:
+        plan = self._serving.plan
+        directory = plan.profile.runtime.xnnpack_weight_cache_dir if plan else None
+        if directory is None or self._serving.state == "reloading":  # a load's files are not
+            return  # held yet; that load prunes the directory itself
+        try:
+            prune_weight_cache(directory)
+        except OSError as exc:  # the next load prunes them
+            log.warning("weight cache not pruned (%s)", exc)
