@@ -18,7 +18,7 @@ from agent.engine.stats import ModelInfo
 from agent.engine.stats import Percentiles as StatPercentiles
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
-from agent.rpc.server import tiers_message
+from agent.rpc.convert import tiers_message
 from agent.status import AgentStatus
 
 log = logging.getLogger(__name__)

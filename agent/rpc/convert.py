@@ -1,0 +1,159 @@
+"""Wire ↔ domain for the Agent service: a GenerateRequest checked into the engine's request,
+and the engine's values (events, sessions, KV tiers, status, model info) into messages.
+
+Wire messages become domain values here and never travel inward. The fleet's health report
+takes its KV tiers from here too (`tiers_message`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from agent.engine.chat import ChatMessage, check_messages
+from agent.engine.engine import Engine
+from agent.engine.sampler import SamplingParams
+from agent.engine.stats import ModelInfo
+from agent.engine.types import GenerateRequest, SessionInfo, TierStats, TokenEvent
+from agent.errors import InvalidRequest
+from agent.pb.edge_agent.v1 import agent_pb2 as pb
+from agent.status import AgentStatus
+
+FINISH = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "cancelled": pb.FINISH_REASON_CANCELLED,
+    "error": pb.FINISH_REASON_ERROR,
+}
+
+
+def to_request(
+    msg: pb.GenerateRequest, engine: Engine, max_tokens_limit: int, owner: str = ""
+) -> GenerateRequest:
+    """Wire → domain, with every field checked; `owner` is the caller (see `AgentService`)."""
+    which = msg.WhichOneof("input")
+    messages: tuple[ChatMessage, ...] = ()
+    prompt = ""
+    if which == "chat":
+        messages = tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages)
+        check_messages(messages)
+    elif which == "prompt":
+        prompt = msg.prompt
+    else:
+        raise InvalidRequest("request has neither a prompt nor chat messages")
+    defaults = engine.profile.generation
+    s = msg.sampling
+    sampling = SamplingParams(
+        temperature=s.temperature if s.HasField("temperature") else defaults.temperature,
+        top_k=s.top_k if s.HasField("top_k") else defaults.top_k,
+        top_p=s.top_p if s.HasField("top_p") else defaults.top_p,
+        seed=s.seed if s.HasField("seed") else None,
+    )
+    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else None
+    if max_tokens is not None and max_tokens > max_tokens_limit:
+        raise InvalidRequest(
+            f"max_tokens = {max_tokens} is above this agent's limit {max_tokens_limit}"
+        )
+    return GenerateRequest(
+        prompt,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=tuple(msg.stop),
+        session_id=msg.session_id or None,
+        owner=owner,
+        messages=messages,
+    )
+
+
+def to_response(event: TokenEvent, request_id: str) -> pb.GenerateResponse:
+    """Domain → wire: one streamed message (the last one with finish reason and stats)."""
+    r = pb.GenerateResponse(text=event.text, token_ids=list(event.token_ids))
+    if event.finish_reason is not None:
+        r.finish_reason = FINISH[event.finish_reason]
+        r.request_id = request_id
+        if event.error:
+            r.error = event.error
+        s = event.stats
+        if s is not None:
+            r.stats.CopyFrom(
+                pb.RequestStats(
+                    prompt_tokens=s.prompt_tokens,
+                    generated_tokens=s.generated_tokens,
+                    ttft_ms=s.ttft_ms,
+                    prefill_tok_s=s.prefill_tok_s,
+                    decode_tok_s=s.decode_tok_s,
+                    accelerator=s.accelerator,
+                    queue_ms=s.queue_ms,
+                    cached_tokens=s.cached_tokens,
+                    truncated_tokens=s.truncated_tokens,
+                )
+            )
+    return r
+
+
+def session_message(info: SessionInfo) -> pb.SessionInfo:
+    """Domain → wire; the owner stays inside the agent."""
+    return pb.SessionInfo(
+        id=info.id,
+        tier=info.tier,
+        tokens=info.tokens,
+        kv_bytes=info.kv_bytes,
+        policy=info.policy,
+        created_unix=info.created,
+        last_used_unix=info.last_used,
+    )
+
+
+def tiers_message(t: TierStats) -> pb.KVTiers:
+    """Domain → wire: the fields have the same names on both sides."""
+    return pb.KVTiers(**{f.name: getattr(t, f.name) for f in dataclasses.fields(t)})
+
+
+def status_message(st: AgentStatus) -> pb.AgentStatus:
+    """Domain → wire."""
+    e = st.engine
+    msg = pb.AgentStatus(
+        profile=st.profile,
+        version=st.version,
+        uptime_s=st.uptime_s,
+        rss_bytes=st.rss_bytes,
+        budget_bytes=st.budget_bytes,
+        planned_bytes=st.planned_bytes,
+        queue_depth=e.queue_depth,
+        queue_capacity=e.queue_capacity,
+        active_requests=e.active,
+        max_active=e.max_active,
+        active_sessions=st.active_sessions,
+        requests_total=e.requests_total,
+        requests_failed=e.requests_failed,
+        requests_rejected=e.requests_rejected,
+        tokens_generated=e.tokens_generated,
+        ttft_ms=pb.Percentiles(p50=e.ttft_ms.p50, p95=e.ttft_ms.p95),
+        decode_tok_s=pb.Percentiles(p50=e.decode_tok_s.p50, p95=e.decode_tok_s.p95),
+        state=st.state,
+        model=st.model,
+        nonfinite_logits=e.nonfinite_logits,
+    )
+    if st.kv is not None:
+        msg.kv.CopyFrom(tiers_message(st.kv))
+    return msg
+
+
+def model_info_message(i: ModelInfo, tiers: TierStats) -> pb.ModelInfo:
+    """Domain → wire: the serving model, and its KV tiers now."""
+    return pb.ModelInfo(
+        name=i.name,
+        version=i.version,
+        sha256=i.sha256,
+        quantization=i.quantization,
+        vocab_size=i.vocab_size,
+        context_length=i.context_length,
+        signatures=list(i.signatures),
+        accelerator=i.accelerator,
+        execution_path=i.execution_path,
+        kv_layout=i.kv_layout,
+        fallbacks=list(i.fallbacks),
+        kv=tiers_message(tiers),
+        kv_bytes_per_session=i.memory.kv_per_session,
+        kv_caches=i.memory.sessions,
+        prepared=i.prepared,
+    )
