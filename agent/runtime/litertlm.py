@@ -29,7 +29,6 @@ import hashlib
 import logging
 import os
 import struct
-import tempfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from agent.errors import ModelFormatError
+from agent.fsutil import atomic_write
 from agent.runtime.modelinfo import ModelFile
 
 log = logging.getLogger(__name__)
@@ -294,23 +294,10 @@ def _stream(path: Path, section: Section, out: Any, progress: Progress | None) -
     return h.hexdigest()
 
 
-def atomic_write(target: Path, write: Callable[[Any], None]) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def extract_model(bundle: Bundle, target: Path, progress: Progress | None = None) -> str:
     """Write the model section to `target` atomically; returns its sha256."""
     box: list[str] = []
+    target.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(target, lambda f: box.append(_stream(bundle.path, bundle.model, f, progress)))
     return box[0]
 

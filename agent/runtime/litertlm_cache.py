@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Final
 
 from agent.errors import ModelFormatError
+from agent.fsutil import atomic_write_bytes
 from agent.modeldir import ModelMeta, Variant
-from agent.runtime.litertlm import Bundle, atomic_write, extract_model, read_bundle, tokenizer_file
+from agent.runtime.litertlm import Bundle, extract_model, read_bundle, tokenizer_file
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,8 @@ def _unpack(cache: Path, bundle: Bundle, llm_hint: int | None) -> _Unpacked:
     name, data = tokenizer_file(bundle)
     tok_rel = f"tokenizers/{hashlib.sha256(data).hexdigest()}/{name}"
     if not (cache / tok_rel).is_file():
-        atomic_write(cache / tok_rel, lambda f: f.write(data))
+        (cache / tok_rel).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(cache / tok_rel, data)
     u = _Unpacked(model_file, sha, bundle.model.size, quantization_of(model), context, tok_rel)
     memo = {
         "stamp": stamp,
@@ -110,7 +112,9 @@ def _unpack(cache: Path, bundle: Bundle, llm_hint: int | None) -> _Unpacked:
         "unpacked": asdict(u),
         "model_stamp": _file_stamp(cache / model_file),
     }
-    atomic_write(_memo_path(cache, bundle.path), lambda f: f.write(json.dumps(memo).encode()))
+    memo_path = _memo_path(cache, bundle.path)
+    memo_path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(memo_path, json.dumps(memo).encode())
     _prune(cache)
     return u
 
