@@ -18,7 +18,7 @@ KV length), a long integer constant holding the value L, or an op that calls ano
 (control flow, a composite left in place). Other constants with a dimension L are taken for
 positional tables (an ``arange``, a causal-mask cache, RoPE tables) and cut to their first W
 entries; a float weight taken for one by mistake makes a wrong graph, which the runtime's
-check on the first load finds (`_RunnerBase.check_windows` compares every new signature with
+check on the first load finds (`RunnerBase.check_windows` compares every new signature with
 the full length) before the windows are used.
 """
 
