@@ -1,4 +1,4 @@
-"""The renderings of a `agent.fleet.view.FleetView`: a text table that fits a terminal, and
+"""The renderings of `agent.fleet.view.FleetView`: a text table that fits a terminal, and
 JSON. Pure: both take `now`. docs/FLEET.md describes the columns and the order.
 """
 
