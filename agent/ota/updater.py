@@ -17,38 +17,33 @@ between the record and its report loses nothing, and the outbox records each key
 Everything here runs on the daemon's event loop; downloads and patching run in a worker
 thread. The current model serves throughout; nothing changes until the new model has loaded
 beside it and passed its canary.
+
+Beside the machine: the steps' work (download.py, staging.py), the record and the pointer
+(store.py), the reports (reports.py), what follows an ended update (cleanup.py), a cancel's
+interrupt (interrupt.py) and what the daemon provides (host.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import logging
 import os
-import shutil
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Protocol
 
 from agent.config import UpdatesConfig
 from agent.errors import AgentError
-from agent.modeldir import sha256_file
 from agent.ota import delta, keys, manifest, signing
 from agent.ota.cancel import check_cancellable, verify_cancel
-from agent.ota.faults import CRASH_ENV, UNREPORTED, crash_point, crash_when_written
-from agent.ota.fetch import (
-    HTTP_TIMEOUT_S,
-    BlockSource,
-    DownloadFailed,
-    PayloadTooLarge,
-    RateLimit,
-    fetch_blocks,
-    fetch_http,
-)
+from agent.ota.cleanup import Cleanup
+from agent.ota.download import download
+from agent.ota.faults import UNREPORTED, crash_point
+from agent.ota.fetch import HTTP_TIMEOUT_S, BlockSource, PayloadTooLarge
+from agent.ota.host import UpdateHost
+from agent.ota.interrupt import Interrupt
 from agent.ota.reports import Reports, manifest_of
+from agent.ota.staging import stage
 from agent.ota.store import Installed, ModelRef, Store
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
@@ -59,27 +54,6 @@ R = opb.UpdateRecord
 Phase = fpb.UpdateStatus
 FINAL = (R.COMMITTED, R.ROLLED_BACK, R.REJECTED)
 CANCELLABLE = (R.RECEIVED, R.DOWNLOADING, R.VERIFIED, R.STAGED)  # before the new model loads
-
-
-class UpdateHost(Protocol):
-    """What the updater needs from the daemon."""
-
-    def install_context(self, installed: ModelRef) -> manifest.InstallContext: ...
-
-    async def activate(self, ref: ModelRef, canary: opb.Canary | None) -> None:
-        """Load `ref` beside the serving model, check it, switch to it; raise if it fails
-        (the serving model keeps serving)."""
-
-    async def check_serving(self, canary: opb.Canary | None) -> str | None:
-        """None if the serving model is healthy, else why not (the trial's checks)."""
-
-    def report(self, status: fpb.UpdateStatus, key: str = "") -> None:
-        """Record a status report (durably, when there is a fleet link); a report with a `key`
-        that was recorded before is not recorded again."""
-
-    def remove_unused_caches(self) -> None:
-        """Delete what loading models left that the serving model does not use (its prepared
-        copies and packed weights): called once an update has ended."""
 
 
 class Updater:
@@ -96,10 +70,9 @@ class Updater:
         self.blocks = blocks
         self.host: UpdateHost | None = None
         self._task: asyncio.Task[None] | None = None
-        self._stop = threading.Event()
-        self._wake: asyncio.Event | None = None  # cuts the pause between download attempts
-        self._cancel = ""  # why the update in progress was cancelled (set by `cancel`)
+        self.interrupt = Interrupt()  # a cancel's reason; stops a download, cuts its pauses
         self.reports = Reports(self.installed)
+        self.cleanup = Cleanup(self.store, self.installed)
 
     # ------------------------------------------------------------------ state
 
@@ -166,7 +139,7 @@ class Updater:
         previous = inst.last_good if inst.last_good != inst.current else None
         rolled = Installed(previous or self.shipped, None, inst.finished)
         self.store.switch(rolled)
-        self._remove_built(rec)
+        self.cleanup.remove_built(rec)
         if report:
             self.reports.transition(rec, reason)
         return rolled
@@ -193,7 +166,7 @@ class Updater:
         (a crash may have come between its record and its cleanup)."""
         rec = self.store.record()
         if rec is not None and rec.state in FINAL:
-            self._complete(rec)
+            self.cleanup.complete(rec)
             assert self.host is not None
             self.host.remove_unused_caches()
         elif rec is not None and rec.state != R.STATE_UNSPECIFIED:
@@ -259,29 +232,25 @@ class Updater:
         check_cancellable(cancel, rec if running else None, rec, CANCELLABLE)
         assert rec is not None and task is not None
         m = self._manifest(rec)
-        self._cancel = f"cancelled by the operator (key {kid})" + (
+        reason = f"cancelled by the operator (key {kid})" + (
             f": {cancel.reason}" if cancel.reason else ""
         )
-        log.warning("update %s: %s", m.update_id, self._cancel)
-        self._stop.set()  # a download stops at its next read
-        if self._wake is not None:
-            self._wake.set()
+        log.warning("update %s: %s", m.update_id, reason)
+        self.interrupt.cancel(reason)  # a download stops at its next read
         await asyncio.wait({task}, timeout=HTTP_TIMEOUT_S + 10)
         status = self.last_status()
         assert status is not None
         return status
 
     def stop(self) -> None:
-        self._stop.set()
+        self.interrupt.stop.set()
         if self._task is not None:
             self._task.cancel()
 
     # ------------------------------------------------------------------ the machine
 
     def _start(self, rec: opb.UpdateRecord) -> None:
-        self._stop.clear()
-        self._cancel = ""
-        self._wake = asyncio.Event()
+        self.interrupt.reset()
         self._task = asyncio.get_running_loop().create_task(self._run(rec))
 
     async def _run(self, rec: opb.UpdateRecord) -> None:
@@ -289,7 +258,7 @@ class Updater:
         try:
             while rec.state not in FINAL:
                 if rec.state in CANCELLABLE:
-                    self._check_cancel()
+                    self.interrupt.check()
                 step = self._steps().get(rec.state)
                 if step is None:
                     raise AgentError(f"unknown update state {rec.state}")
@@ -320,85 +289,19 @@ class Updater:
         self._enter(rec, R.DOWNLOADING, "downloading")
 
     async def _download(self, rec: opb.UpdateRecord, m: opb.Manifest) -> None:
-        part = self.store.payload_path(m.update_id)
-        limit = RateLimit(self.config.progress_interval_s)
-
-        def progress(have: int) -> None:
-            rec.downloaded = have
-            if have < m.payload_size:
-                crash_point("mid-download")
-            if limit.ready(force=have == m.payload_size):
-                self.store.save(rec)
-                self.reports.progress(rec, f"{have} of {m.payload_size} bytes")
-
-        while True:
-            if time.time() >= m.expires_unix:
-                raise manifest.UpdateRejected("expired", "the manifest expired during download")
-            before = _size(part)
-            try:
-                await asyncio.to_thread(self._fetch, m, part, progress)
-                break
-            except DownloadFailed as exc:
-                self._check_cancel()
-                # an attempt that added bytes starts a new count: only a source that ends short
-                # (or fails) every time without progress is given up on
-                rec.failed_attempts = 1 if _size(part) > before else rec.failed_attempts + 1
-                self.store.save(rec)  # the count survives a restart
-                limit_n = self.config.max_download_attempts
-                if rec.failed_attempts >= limit_n:
-                    raise manifest.UpdateRejected(
-                        "payload",
-                        f"gave up after {rec.failed_attempts} download attempts in a row without "
-                        f"progress (updates.max_download_attempts = {limit_n}): {exc}",
-                    ) from exc
-                log.warning(
-                    "update %s: download attempt %d of %d failed: %s; retrying in %.0f s",
-                    m.update_id,
-                    rec.failed_attempts,
-                    limit_n,
-                    exc,
-                    self.config.retry_s,
-                )
-                await self._pause(self.config.retry_s)
-        self._check_cancel()  # a cancel stops the fetch early: the file is not whole
-        digest = await asyncio.to_thread(sha256_file, part)
-        if digest != m.payload_sha256:
-            part.unlink(missing_ok=True)
-            raise manifest.UpdateRejected(
-                "payload_hash",
-                f"payload sha256 {digest[:12]}… != manifest {m.payload_sha256[:12]}…",
-            )
+        await download(
+            rec,
+            m,
+            store=self.store,
+            config=self.config,
+            reports=self.reports,
+            blocks=self.blocks,
+            interrupt=self.interrupt,
+        )
         self._enter(rec, R.VERIFIED, "payload sha256 verified")
 
-    def _fetch(self, m: opb.Manifest, part: Path, progress: Callable[[int], None]) -> None:
-        if m.payload_url:
-            fetch_http(m.payload_url, part, m.payload_size, progress, self._stop)
-        elif self.blocks is not None:
-            fetch_blocks(self.blocks, m.update_id, part, m.payload_size, progress, self._stop)
-        else:
-            raise manifest.UpdateRejected("no_transport", "no payload URL and no fleet link")
-
     async def _stage(self, rec: opb.UpdateRecord, m: opb.Manifest) -> None:
-        target = self.store.model_dir_for(m.version, m.target_model_sha256)
-        staging = target.with_name(target.name + ".staging")
-        shutil.rmtree(staging, ignore_errors=True)  # a crash mid-staging leaves a partial one
-        base = Path(rec.previous_model_dir)
-        part = self.store.payload_path(m.update_id)
-        rec.staged_model_dir = str(target)
-        self.store.save(rec)
-        if os.environ.get(CRASH_ENV) == "mid-staging":
-            crash_when_written(staging)
-        files = await asyncio.to_thread(delta.patch_dirs, base, part, staging)
-        want = {f.name: (f.sha256, f.size) for f in m.files}
-        got = {name: (sha, size) for name, sha, size in files}
-        if got != want:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise manifest.UpdateRejected("target_hash", f"rebuilt files {got} != manifest {want}")
-        _fsync_tree(staging)
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(staging, target)
-        _fsync_dir(target.parent)
-        part.unlink(missing_ok=True)
+        target = await stage(self.store, rec, m)
         self._enter(rec, R.STAGED, f"staged in {target.name}")
 
     async def _activate(self, rec: opb.UpdateRecord, m: opb.Manifest) -> None:
@@ -455,17 +358,6 @@ class Updater:
         self.host.remove_unused_caches()
         self.reports.transition(rec, reason)
 
-    def _check_cancel(self) -> None:
-        if self._cancel:
-            raise manifest.UpdateRejected("cancelled", self._cancel)
-
-    async def _pause(self, seconds: float) -> None:
-        """Sleep between download attempts; a cancel ends it at once."""
-        assert self._wake is not None
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), seconds)
-        self._check_cancel()
-
     # ------------------------------------------------------------------ records and reports
 
     def _enter(self, rec: opb.UpdateRecord, state: int, message: str) -> None:
@@ -485,61 +377,13 @@ class Updater:
         self.store.save(rec)
         crash_point(UNREPORTED + R.State.Name(state).lower())
         if state in (R.REJECTED, R.ROLLED_BACK):
-            self._complete(rec)
+            self.cleanup.complete(rec)
         if report:
             self.reports.transition(rec, message, code)
         (log.info if state == R.COMMITTED else log.warning)(
             "update %s: %s: %s", self._manifest(rec).update_id, R.State.Name(state), message
         )
 
-    def _complete(self, rec: opb.UpdateRecord) -> None:
-        """What follows an ended record, idempotent (run again at the next start): the id is
-        finished (replay protection), the payload and the model directories nothing names any
-        more are removed."""
-        m = self._manifest(rec)
-        inst = self.installed()
-        if rec.state in (R.REJECTED, R.ROLLED_BACK) and m.update_id not in inst.finished:
-            self.store.switch(dataclasses.replace(inst, finished=(*inst.finished, m.update_id)))
-        self.store.payload_path(m.update_id).unlink(missing_ok=True)
-        if rec.state == R.COMMITTED:
-            keep = [Path(inst.current.model_dir)]
-            if inst.last_good is not None:
-                keep.append(Path(inst.last_good.model_dir))
-            self.store.remove_unused(keep)
-        else:
-            self._remove_built(rec)
-
-    def _remove_built(self, rec: opb.UpdateRecord) -> None:
-        """Delete the model directory this update built once nothing names it: not the serving
-        model, the last known good or the one the update started from."""
-        if rec.staged_model_dir:
-            inst = self.installed()
-            keep = [inst.current.model_dir, rec.previous_model_dir]
-            keep += [inst.last_good.model_dir] if inst.last_good is not None else []
-            self.store.remove_built(Path(rec.staged_model_dir), [Path(k) for k in keep if k])
-
     @staticmethod
     def _manifest(rec: opb.UpdateRecord) -> opb.Manifest:
         return manifest_of(rec)
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(path: Path) -> None:
-    for p in path.iterdir():
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
-    _fsync_dir(path)
