@@ -8,7 +8,7 @@ graph), chained at batch 1 with the slices, one CONCATENATION and two ADDs per l
 nothing else: no attention, no KV cache, no norms. Converted with litert-torch, quantized with
 the toolchain's own `quantize_bytes` (int8 per channel, int4 block 32: the weights of our
 LLMs), run through ai-edge-litert's CompiledModel on the XNNPACK CPU path exactly as
-`_CompiledRunner` does.
+`agent.runtime.compiled.CompiledRunner` does.
 Reports ms per pass and the weight bytes streamed per second, next to the measured read
 bandwidth (`scripts/peer/roofline.py`'s `read_bandwidth`) in the same run.
 

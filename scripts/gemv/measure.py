@@ -27,7 +27,7 @@ def _weight_cache(path: Path) -> str:
 
 
 def _load(path: Path, threads: int) -> Any:
-    """A CompiledModel on the XNNPACK CPU path, opened as `_CompiledRunner` opens one."""
+    """A CompiledModel on the XNNPACK CPU path, opened as `CompiledRunner` opens one."""
     from ai_edge_litert.compiled_model import CompiledModel
     from ai_edge_litert.cpu_kernel_mode import CpuKernelMode
     from ai_edge_litert.cpu_options import CpuOptions

@@ -28,7 +28,7 @@ def prompts_file(model: str, lengths: tuple[int, ...]) -> Path:
     worker would load a tokenizer it does not use.
     """
     from agent.modeldir import load_model_dir
-    from agent.runtime.tokenizer import load_tokenizer
+    from agent.runtime.tokenizer_load import load_tokenizer
 
     tok = load_tokenizer(load_model_dir(Path(model)).tokenizer_path)
     ids = tok.encode("".join(p.read_text() for p in sorted((ROOT / "agent").rglob("*.py"))))
