@@ -27,7 +27,7 @@ from agent.fleet.health import (
     significant_change,
 )
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
-from agent.runtime.litert import MemoryPlan
+from agent.runtime.plan import MemoryPlan
 from agent.status import AgentStatus
 
 MIB = 1 << 20
