@@ -1,4 +1,4 @@
-"""The daemon's side of an update (`agent.ota.updater.UpdateHost`): what the updater checks a
+"""The daemon's side of an update (`agent.ota.host.UpdateHost`): what the updater checks a
 bundle against, activating an installed model (its canary run before it serves), checking the
 model that serves, reporting to the fleet and pruning the weight cache.
 """
