@@ -411,7 +411,7 @@ def test_cli_update_make_errors_are_one_line(
 def test_cli_update_make_with_a_canary(
     dirs: Dirs, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from agent.cli.canary import engine_model
+    from agent.daemon.canary import engine_model
     from agent.engine.engine import Engine
     from agent.ota import canary
     from agent.profile import resolve_profile

@@ -52,15 +52,27 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "rpc": frozenset({"config", "engine", "errors", "exitcodes", "fsutil", "pb", "status"}),
     # the operator side publishes signed bundles (ota); ota never imports fleet
     "fleet": frozenset(
-        {"agent", "config", "errors", "fsutil", "pb", "status", "engine.types", "engine.stats",
-         "rpc.convert", "ota"}
+        {
+            "agent",
+            "config",
+            "errors",
+            "fsutil",
+            "pb",
+            "status",
+            "engine.types",
+            "engine.stats",
+            "rpc.convert",
+            "ota",
+        }
     ),
     "ota": frozenset({"config", "errors", "fsutil", "modeldir", "pb", "runtime.schema"}),
-    # the composition roots
+    # the composition roots: the CLI may start the daemon, never the other way round (FORBIDDEN)
     "daemon": ANYTHING,
     "cli": ANYTHING,
     "__main__": ANYTHING,
 }
+
+FORBIDDEN: Mapping[str, frozenset[str]] = {"daemon": frozenset({"cli"})}
 
 LITERT = ("ai_edge_litert", "tflite_runtime")
 LITERT_IMPORTERS = ("runtime", "toolchain")  # toolchain: the optional export extra, never served
@@ -118,6 +130,8 @@ def part(module: str) -> str:
 
 
 def allowed(source_part: str, target: str) -> bool:
+    if part(target) in FORBIDDEN.get(source_part, frozenset()):
+        return False
     rules = ALLOWED.get(source_part, frozenset())
     if rules is ANYTHING:
         return True
@@ -243,10 +257,14 @@ def test_the_checker_finds_an_arrow_against_the_flow(tmp_path: Path) -> None:
             "kv/disk.py": "def f():\n    from agent.engine.engine import Engine\n",
             "ota/__init__.py": "",
             "ota/canary.py": "from agent.engine import engine\n",
+            "cli/__init__.py": "from agent.daemon import run\n",
+            "daemon/__init__.py": "from agent.cli import common\n",
+            "cli/common.py": "",
         },
     )
     found = layering_violations(root)
-    assert len(found) == 2, found
+    assert len(found) == 3, found
+    assert any("daemon must not import agent.cli.common" in v for v in found)
     assert any("kv must not import agent.engine.engine" in v for v in found)
     assert any("ota must not import agent.engine.engine" in v for v in found)
 

@@ -167,7 +167,7 @@ def test_update_make_refuses_a_garbage_model_unless_told_no_canary(
 
 
 def test_the_devices_check_tells_a_fine_tune_from_garbage(dirs: dict[str, Path]) -> None:
-    from agent.cli.canary import engine_model
+    from agent.daemon.canary import engine_model
     from agent.engine.engine import Engine
 
     profile = resolve_profile(PROFILE)[0]
@@ -203,7 +203,7 @@ def test_a_device_rolls_back_garbage_with_the_default_canary_and_commits_a_fine_
     """What `update make` records by default, for a bundle whose new model is garbage (made
     with the library, which does not run models: a device must not rely on the operator's
     check) and for the fine-tune (made with the CLI)."""
-    from agent.cli.canary import engine_model
+    from agent.daemon.canary import engine_model
     from agent.engine.engine import Engine
     from agent.fleet.publish import publish_update
 

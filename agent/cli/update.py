@@ -80,7 +80,7 @@ def _canary(args: argparse.Namespace, base_dir: Path, new_dir: Path) -> opb.Cana
     text and the bound on the new model's NLL over it (`canary.reference_canary`), which the
     new model must pass here too. The engine is built here, in the CLI: ota only gets models
     to check (docs/UPDATES.md, the canary)."""
-    from agent.cli.canary import engine_model
+    from agent.daemon.canary import engine_model
     from agent.engine.engine import Engine
     from agent.modeldir import load_model_dir
     from agent.ota import canary

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agent import __version__
-from agent.cli.canary import engine_model
 from agent.config import AgentConfig
+from agent.daemon.canary import engine_model
 from agent.daemon.plan import open_plan_model
 from agent.daemon.serving import Serving
 from agent.fleet.agent import FleetAgent

@@ -174,4 +174,3 @@ class _Link:
 
 def _client_id(role: str) -> str:
     return f"edge-agent-{role}-{secrets.token_hex(6)}"
-

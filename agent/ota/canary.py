@@ -38,7 +38,7 @@ Greedy = Callable[[str, int], tuple[list[int], str]]  # (prompt, n) -> n greedy 
 @dataclass(frozen=True, slots=True)
 class Model:
     """A loaded model as the canary runs it: the caller (the daemon, `update make`) builds these
-    from its engine (`agent.cli.canary.engine_model`). `first_logits` and `steps` drive the
+    from its engine (`agent.daemon.canary.engine_model`). `first_logits` and `steps` drive the
     model's runner directly: check before the engine serves, or on an engine nothing else
     uses."""
 

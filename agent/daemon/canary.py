@@ -1,7 +1,7 @@
 """The update canary's `Model` built from an engine: agent.ota.canary takes callables and never
-imports the engine, so the composition roots build them here. `update make` records and checks
-a canary with it; the daemon checks a new model with it before it serves, and a serving one
-after an update (docs/UPDATES.md, the canary)."""
+imports the engine, so the daemon builds them here. The daemon checks a new model with it
+before it serves, and a serving one after an update; `update make` borrows it to record and
+check a canary (docs/UPDATES.md, the canary)."""
 
 from __future__ import annotations
 
