@@ -49,7 +49,9 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "status": frozenset({"engine.types", "engine.stats"}),
     "modelimport": frozenset({"errors", "fsutil", "modeldir", "runtime", "engine"}),
     "toolchain": frozenset({"agent", "modeldir"}),
-    "rpc": frozenset({"config", "engine", "errors", "exitcodes", "fsutil", "pb", "status"}),
+    "rpc": frozenset(
+        {"config", "engine", "errors", "exitcodes", "fsutil", "pb", "status", "metrics"}
+    ),
     # the operator side publishes signed bundles (ota); ota never imports fleet
     "fleet": frozenset(
         {
@@ -66,6 +68,12 @@ ALLOWED: Mapping[str, frozenset[str]] = {
         }
     ),
     "ota": frozenset({"config", "errors", "fsutil", "modeldir", "pb", "runtime.schema"}),
+    # the OpenAI-compatible HTTP API: an adapter beside rpc (shares its socket rules, not its code)
+    "http": frozenset(
+        {"config", "engine", "errors", "exitcodes", "fsutil", "status", "metrics", "rpc.unixsocket"}
+    ),
+    # Prometheus metrics: read from the status snapshot and the engine's data types
+    "metrics": frozenset({"status", "engine.types", "engine.stats"}),
     # the composition roots: the CLI may start the daemon, never the other way round (FORBIDDEN)
     "daemon": ANYTHING,
     "cli": ANYTHING,
@@ -77,7 +85,7 @@ FORBIDDEN: Mapping[str, frozenset[str]] = {"daemon": frozenset({"cli"})}
 LITERT = ("ai_edge_litert", "tflite_runtime")
 LITERT_IMPORTERS = ("runtime", "toolchain")  # toolchain: the optional export extra, never served
 WIRE = ("agent.pb", "grpc", "paho")  # google.protobuf alone also reads file formats (.litertlm)
-WIRE_IMPORTERS = ("rpc", "fleet", "ota", "daemon", "cli", "_protogen", "pb")
+WIRE_IMPORTERS = ("rpc", "http", "fleet", "ota", "daemon", "cli", "_protogen", "pb")
 
 MAX_LINES = 450  # "no hand-written module over ~400 lines"
 
