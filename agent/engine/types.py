@@ -9,6 +9,7 @@ if TYPE_CHECKING:  # only a field's type: the sampler itself needs numpy
     from agent.engine.sampler import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar")
 SESSION_POLICIES = ("error", "truncate")  # what a turn that overflows the context does
 TIERS = ("empty", "bound", "host", "disk")  # where a session's KV lives ("empty": none yet)
 
@@ -17,6 +18,19 @@ TIERS = ("empty", "bound", "host", "disk")  # where a session's KV lives ("empty
 class ChatMessage:
     role: str  # "system" | "user" | "assistant"
     content: str
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What the output must be: the sampler allows only tokens that keep it in this language.
+
+    `kind` is one of CONSTRAINT_KINDS: "json_schema" (`text` is the schema as JSON),
+    "json_object" (any JSON object; `text` is ignored), "regex" (the whole output matches
+    `text`), "grammar" (`text` is a Lark grammar, as llguidance takes it).
+    """
+
+    kind: str
+    text: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +49,7 @@ class GenerateRequest:
     session_id: str | None = None  # continue this session's conversation
     owner: str = ""  # the caller's identity; a session answers only to the one that made it
     messages: tuple[ChatMessage, ...] = ()  # a chat instead of a prompt
+    constraint: Constraint | None = None  # structured output: only what it allows
 
 
 @dataclass(frozen=True, slots=True)
