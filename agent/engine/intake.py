@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
-from agent.engine.chat import ChatTemplate, chat_ids
+from agent.engine.chat import ChatTemplate, chat_ids, end_of_turn_ids
+from agent.engine.constrain import ConstraintCompiler
 from agent.engine.request import Prepared, RequestHandle
 from agent.engine.sampler import SamplingParams
 from agent.engine.session import fit_context
@@ -43,6 +45,7 @@ class Intake:
         self.chat = chat
         self._store = store
         self._lock = lock
+        self._constraints: ConstraintCompiler | None = None  # made on the first one
 
     def turn_ids(self, request: GenerateRequest, *, first: bool) -> list[int]:
         """A prompt's ids, or a chat's (rendered by its template; `first`: no earlier turn
@@ -75,6 +78,13 @@ class Intake:
             raise ContextOverflow(len(ids), ctx)
         return ids
 
+    def constraints(self) -> ConstraintCompiler:
+        """The structured-output compiler for this model's tokenizer and stop tokens."""
+        if self._constraints is None:
+            stops = self.meta.stop_ids | end_of_turn_ids(self.chat, self.tokenizer)
+            self._constraints = ConstraintCompiler(self.tokenizer, stops)
+        return self._constraints
+
     def prepare(
         self, request: GenerateRequest, handle: RequestHandle, timeout: float | None
     ) -> Prepared:
@@ -83,6 +93,8 @@ class Intake:
             temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p
         )
         sampling.validate(self.info.vocab_size)
+        if request.constraint is not None:  # compiled (or refused) before it is queued
+            sampling = replace(sampling, constraint=self.constraints().compile(request.constraint))
         max_tokens = gen.max_tokens if request.max_tokens is None else request.max_tokens
         if max_tokens < 1:
             raise InvalidRequest(f"max_tokens = {max_tokens} must be at least 1")

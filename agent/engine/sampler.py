@@ -1,14 +1,30 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a seeded generator per request."""
+"""Token sampling: greedy, temperature, top-k, top-p, with a seeded generator per request,
+and, for structured output, a grammar's mask applied before any of them choose."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from agent.errors import InvalidRequest, NonFiniteLogits
+
+
+class GrammarState(Protocol):
+    """One request's place in a grammar (`agent.engine.constrain.ConstraintState`)."""
+
+    def mask(self, logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]: ...
+
+    def advance(self, token: int) -> None: ...
+
+
+class Grammar(Protocol):
+    """A compiled constraint (`agent.engine.constrain.CompiledConstraint`)."""
+
+    def start(self) -> GrammarState: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +35,8 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    # structured output: only tokens this grammar allows (the intake compiles it)
+    constraint: Grammar | None = None
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequest naming the parameter, its value and the allowed range."""
@@ -43,10 +61,22 @@ class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self._rng = np.random.default_rng(params.seed)
+        self._constraint = params.constraint.start() if params.constraint is not None else None
 
     def __call__(self, logits: npt.NDArray[np.float32]) -> int:
         """A token id; NonFiniteLogits if the logits hold NaN or infinity (found at no extra
-        cost: argmax stops at the first NaN, and either makes the weights' sum non-finite)."""
+        cost: argmax stops at the first NaN, and either makes the weights' sum non-finite).
+
+        Under a constraint, the forbidden tokens' logits are -inf first (so greedy takes the
+        best allowed token, and the weights of forbidden ones are 0), and the grammar then
+        advances on the chosen token."""
+        if self._constraint is None:
+            return self._choose(logits)
+        token = self._choose(self._constraint.mask(logits))
+        self._constraint.advance(token)
+        return token
+
+    def _choose(self, logits: npt.NDArray[np.float32]) -> int:
         p = self.params
         if p.temperature == 0.0:
             token = int(np.argmax(logits))

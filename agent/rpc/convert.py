@@ -13,7 +13,7 @@ from agent.engine.chat import ChatMessage, check_messages
 from agent.engine.engine import Engine
 from agent.engine.sampler import SamplingParams
 from agent.engine.stats import ModelInfo
-from agent.engine.types import GenerateRequest, SessionInfo, TierStats, TokenEvent
+from agent.engine.types import Constraint, GenerateRequest, SessionInfo, TierStats, TokenEvent
 from agent.errors import InvalidRequest
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from agent.status import AgentStatus
@@ -61,7 +61,20 @@ def to_request(
         session_id=msg.session_id or None,
         owner=owner,
         messages=messages,
+        constraint=to_constraint(msg) if msg.HasField("constraint") else None,
     )
+
+
+def to_constraint(msg: pb.GenerateRequest) -> Constraint:
+    """The request's `constraint` (its oneof set) as the engine's value."""
+    kind = msg.constraint.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequest("constraint has none of json_schema, json_object, regex, grammar")
+    if kind == "json_object":
+        if not msg.constraint.json_object:
+            raise InvalidRequest("constraint.json_object must be true when set")
+        return Constraint("json_object")
+    return Constraint(kind, str(getattr(msg.constraint, kind)))
 
 
 def to_response(event: TokenEvent, request_id: str) -> pb.GenerateResponse:

@@ -81,6 +81,11 @@ class Tokenizer(Protocol):
         """The id of the token spelled `text`, None when the vocabulary has none."""
         ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes the token adds to the output (b"" for a special token): what a
+        constrained-decoding library matches a grammar against."""
+        ...
+
 
 def _token_string(value: Any, key: str, where: Path) -> str | None:
     if value is None:

@@ -17,9 +17,12 @@ specially (Metaspace's leading space, ``Strip``) agree with themselves.
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -27,6 +30,29 @@ from agent.errors import InvalidRequest, ModelFormatError
 from agent.runtime.tokenizer import TokenizerConfig, read_tokenizer_config
 
 _REPLACEMENT = "\ufffd"
+_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's printable character → byte table, which ByteLevel pre-tokenizes bytes into."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + n)] = b
+            n += 1
+    return table
+
+
+def _decoders(node: Any) -> list[dict[str, Any]]:
+    """The decoder steps of a tokenizer.json, a Sequence flattened."""
+    if not isinstance(node, dict):
+        return []
+    if node.get("type") == "Sequence":
+        return [d for sub in node.get("decoders", []) for d in _decoders(sub)]
+    return [node]
 
 
 class HFTokenizer:
@@ -47,6 +73,7 @@ class HFTokenizer:
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
         )
         self._lock = threading.Lock()  # encode_special_tokens is the object's state
+        self._bytes: list[bytes] | None = None  # token_bytes, built on first use
 
     def encode(self, text: str, *, special: bool = False) -> list[int]:
         """Text → ids; special-token text gives special ids only with `special=True`."""
@@ -103,6 +130,42 @@ class HFTokenizer:
     def token_id(self, text: str) -> int | None:
         i = self._tok.token_to_id(text)
         return None if i is None else int(i)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's bytes: ByteLevel's alphabet undone, or ``<0xNN>`` byte-fallback pieces
+        as their byte and the decoder's replacements (Metaspace's ``▁``) applied; b"" for a
+        special token. Built for the whole vocabulary on first use."""
+        self._check((token_id,))
+        if self._bytes is None:
+            self._bytes = self._all_bytes()
+        return self._bytes[token_id]
+
+    def _all_bytes(self) -> list[bytes]:
+        steps = _decoders(json.loads(self._tok.to_str()).get("decoder"))
+        kinds = {d.get("type") for d in steps}
+        table = _byte_level_table() if "ByteLevel" in kinds else None
+        replace: list[tuple[str, str]] = []
+        for d in steps:
+            if d.get("type") == "Replace" and isinstance(d.get("pattern"), dict):
+                pattern = d["pattern"].get("String")
+                if isinstance(pattern, str):
+                    replace.append((pattern, str(d.get("content", ""))))
+            elif d.get("type") == "Metaspace":
+                replace.append((str(d.get("replacement", "\u2581")), " "))
+        out: list[bytes] = []
+        for i in range(self.vocab_size):
+            piece = self._tok.id_to_token(i)
+            if piece is None or i in self.special_ids:
+                out.append(b"")
+            elif table is not None:
+                out.append(b"".join(bytes([table[c]]) if c in table else c.encode() for c in piece))
+            elif "ByteFallback" in kinds and (m := _BYTE_PIECE.match(piece)):
+                out.append(bytes([int(m.group(1), 16)]))
+            else:
+                for a, b in replace:
+                    piece = piece.replace(a, b)
+                out.append(piece.encode("utf-8"))
+        return out
 
     def stream(self) -> HFStream:
         """A fresh incremental detokenizer."""

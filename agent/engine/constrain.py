@@ -1,0 +1,204 @@
+"""Structured output: a `Constraint` compiled into a token mask by llguidance.
+
+`ConstraintCompiler` (one per engine, on its tokenizer) turns a request's `Constraint` into a
+`CompiledConstraint` on the caller's thread, before the request is queued: a grammar the
+library rejects is an `InvalidRequest` naming why. Compiled grammars are kept in a small LRU
+keyed by (kind, text), so a schema used again costs a copy of its matcher, not a compilation.
+
+Per request, `CompiledConstraint.start()` gives a `ConstraintState` (the matcher's copy, owned
+by the request's `Sampler` like its RNG): before each draw it masks every token that would
+leave the language (a stop token is allowed only where the grammar accepts), and after the
+draw it advances on the chosen token.
+
+llguidance is fed from our own tokenizer: each id's exact bytes (`Tokenizer.token_bytes`:
+SentencePiece ``▁`` as a space and ``<0xNN>`` pieces as their byte, byte-level BPE's ``Ġ``
+alphabet undone), so a grammar that needs a space gets the tokens that hold one. It is an
+optional extra (``edge-agent[structured]``): there are no armv7l wheels, and there a
+constrained request is refused with an error naming the extra.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from agent.engine.types import CONSTRAINT_KINDS, Constraint
+from agent.errors import InvalidRequest, RuntimeFailure
+from agent.runtime.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+CACHE_ENTRIES = 32  # compiled grammars kept per engine
+MAX_CONSTRAINT_CHARS = 1 << 16
+MISSING_EXTRA = (
+    "structured output needs the optional 'structured' extra (llguidance), which is not "
+    "installed here: pip install 'edge-agent[structured]' (it has no wheel for 32-bit Arm)"
+)
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError as exc:
+        raise InvalidRequest(MISSING_EXTRA) from exc
+    return llguidance
+
+
+class _Tokens:
+    """What llguidance's `TokenizerWrapper` reads: every id's bytes, EOS, and an encoder."""
+
+    def __init__(self, tokenizer: Tokenizer, eos: int) -> None:
+        self._tok = tokenizer
+        self.eos_token_id = eos
+        self.bos_token_id: int | None = None
+        self.special_token_ids = sorted(tokenizer.special_ids)
+        self.tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tok.encode(text)
+
+
+class ConstraintState:
+    """One request's position in its grammar."""
+
+    __slots__ = ("_bits", "_matcher", "_np", "_stop", "_vocab")
+
+    def __init__(self, matcher: Any, stop_ids: npt.NDArray[np.intp], vocab: int) -> None:
+        import llguidance.numpy as llnp
+
+        self._np = llnp
+        self._matcher = matcher
+        self._stop = stop_ids
+        self._vocab = vocab
+        self._bits = llnp.allocate_token_bitmask(1, vocab)
+
+    def mask(self, logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """`logits` with every token the grammar forbids here at -inf (a new array)."""
+        m = self._matcher
+        self._np.fill_next_token_bitmask(m, self._bits)
+        if m.is_error():
+            raise RuntimeFailure(f"constraint: {m.get_error()}")
+        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self._vocab]
+        allowed[self._stop] = m.is_accepting()
+        if not allowed.any():
+            raise RuntimeFailure("constraint: no token can continue the output")
+        return np.where(allowed.view(np.bool_), logits, np.float32(-np.inf))
+
+    def advance(self, token: int) -> None:
+        """The sampler chose `token` (a stop token ends the request: nothing to consume)."""
+        if token in self._stop:
+            return
+        if not self._matcher.consume_token(token):
+            raise RuntimeFailure(f"constraint: token {token} refused: {self._matcher.get_error()}")
+
+
+class CompiledConstraint:
+    """A compiled grammar; `start()` gives each request its own matcher."""
+
+    def __init__(self, constraint: Constraint, matcher: Any, stop_ids: Iterable[int], vocab: int):
+        self.constraint = constraint
+        self._matcher = matcher
+        self._stop = np.array(sorted(stop_ids), dtype=np.intp)
+        self._vocab = vocab
+
+    def start(self) -> ConstraintState:
+        return ConstraintState(self._matcher.deep_copy(), self._stop, self._vocab)
+
+
+def _one_line(message: str, limit: int = 400) -> str:
+    """The library's (multi-line) message as one line, bounded."""
+    text = " ".join(str(message).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def grammar_text(llg: Any, constraint: Constraint) -> str:
+    """The constraint as llguidance's grammar, or InvalidRequest for one it cannot take."""
+    kind, text = constraint.kind, constraint.text
+    if kind not in CONSTRAINT_KINDS:
+        raise InvalidRequest(
+            f"constraint kind {kind!r} is not one of {', '.join(CONSTRAINT_KINDS)}"
+        )
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise InvalidRequest(f"{kind} is {len(text)} characters; at most {MAX_CONSTRAINT_CHARS}")
+    if kind == "json_object":
+        text = '{"type": "object"}'
+        kind = "json_schema"
+    if kind == "json_schema":
+        try:
+            schema = json.loads(text)
+        except ValueError as exc:
+            raise InvalidRequest(f"json_schema is not JSON: {exc}") from exc
+        if not isinstance(schema, dict | bool):
+            raise InvalidRequest("json_schema must be a JSON object (a schema)")
+        try:
+            return str(
+                llg.LLMatcher.grammar_from_json_schema(
+                    schema, defaults={"whitespace_flexible": False}
+                )
+            )
+        except ValueError as exc:
+            raise InvalidRequest(f"json_schema is not supported: {_one_line(str(exc))}") from exc
+    if not text:
+        raise InvalidRequest(f"{kind} is empty")
+    if kind == "regex":
+        return str(llg.LLMatcher.grammar_from_regex(text))
+    return str(llg.LLMatcher.grammar_from_lark(text))
+
+
+class ConstraintCompiler:
+    """Compiles constraints for one tokenizer; thread-safe, with a bounded cache."""
+
+    def __init__(self, tokenizer: Tokenizer, stop_ids: Iterable[int]) -> None:
+        self._tokenizer = tokenizer
+        self._stop = frozenset(stop_ids)
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], CompiledConstraint] = OrderedDict()
+        self._lltok: Any = None
+        self.hits = 0
+        self.misses = 0
+
+    def _ll_tokenizer(self, llg: Any) -> Any:
+        if self._lltok is None:
+            if not self._stop:
+                raise InvalidRequest(
+                    "structured output needs a model with an end-of-sequence token"
+                )
+            wrapped = llg.TokenizerWrapper(_Tokens(self._tokenizer, min(self._stop)))
+            self._lltok = llg.LLTokenizer(wrapped, n_vocab=self._tokenizer.vocab_size)
+        return self._lltok
+
+    def compile(self, constraint: Constraint) -> CompiledConstraint:
+        """The compiled constraint (cached), or InvalidRequest naming what is unsupported."""
+        key = (constraint.kind, constraint.text if constraint.kind != "json_object" else "")
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return hit
+        llg = _llguidance()
+        grammar = grammar_text(llg, constraint)
+        with self._lock:
+            lltok = self._ll_tokenizer(llg)
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, lltok)
+        if is_error:
+            raise InvalidRequest(f"{constraint.kind} is not supported: {_one_line(messages[0])}")
+        matcher = llg.LLMatcher(lltok, grammar, log_level=0)
+        if matcher.is_error():
+            why = _one_line(matcher.get_error())
+            raise InvalidRequest(f"{constraint.kind} is not supported: {why}")
+        compiled = CompiledConstraint(constraint, matcher, self._stop, self._tokenizer.vocab_size)
+        with self._lock:
+            self.misses += 1
+            self._cache[key] = compiled
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        log.info("constraint compiled: %s, %d characters", constraint.kind, len(constraint.text))
+        return compiled
