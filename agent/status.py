@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agent.engine.stats import EngineStats
+from agent.engine.stats import EngineStats, ModelInfo
 from agent.engine.types import TierStats
 
 
@@ -23,6 +23,11 @@ class AgentStatus:
     active_sessions: int
     engine: EngineStats
     kv: TierStats | None = None  # sessions and bytes per KV tier (None: not reported)
+    info: ModelInfo | None = None  # the model that serves (None: not reported)
+    fleet_link: str = ""  # "off" (no broker) | "connected" | "disconnected"; "": not reported
+    # the last update's phase ("none": never updated); read from disk, so only the metrics
+    # scrape asks for it; "": not reported
+    update_phase: str = ""
 
 
 def rss_bytes() -> int:

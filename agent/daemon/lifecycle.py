@@ -17,6 +17,7 @@ and exit 2, with nothing on the host changed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -39,9 +40,11 @@ from agent.engine.engine import Engine
 from agent.engine.stats import ModelInfo
 from agent.errors import Unavailable
 from agent.fleet.agent import FleetAgent, resolve_device_id
+from agent.metrics import Metrics
 from agent.ota.store import Store
 from agent.ota.updater import Updater
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from agent.rpc import unixsocket
 from agent.rpc.server import Server
 from agent.statelock import StateLock
@@ -62,6 +65,7 @@ class Daemon:
         self._last_status = ""
         self._fleet: FleetAgent | None = None
         self._updater: Updater | None = None
+        self.metrics = Metrics(self._scrape)  # one for the daemon's life: rpc and http report
 
     # ------------------------------------------------------------------ Backend protocol
 
@@ -104,7 +108,26 @@ class Daemon:
             active_sessions=e.session_count(),
             engine=e.stats(),
             kv=e.tier_stats(),
+            info=e.info,
+            fleet_link=(
+                "off"
+                if self._fleet is None
+                else "connected"
+                if self._fleet.link.connected
+                else "disconnected"
+            ),
         )
+
+    def _scrape(self) -> AgentStatus | None:
+        """What a metrics scrape reads: the status and the last update's phase, read from the
+        update record on disk (so only here); None before a model is loaded."""
+        try:
+            status = self.status()
+        except Unavailable:
+            return None
+        rec = self._updater.store.record() if self._updater is not None else None
+        phase = "none" if rec is None else opb.UpdateRecord.State.Name(rec.state).lower()
+        return dataclasses.replace(status, update_phase=phase)
 
     # ------------------------------------------------------------------ lifecycle
 

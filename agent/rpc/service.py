@@ -20,7 +20,9 @@ from google.protobuf.message import DecodeError
 
 from agent.config import AgentConfig
 from agent.engine.engine import Engine
-from agent.errors import ERROR_TRAILER, AgentError, InvalidRequest, grpc_status_name
+from agent.engine.types import TokenEvent
+from agent.errors import ERROR_TRAILER, AgentError, InvalidRequest, Overloaded, grpc_status_name
+from agent.metrics import Metrics
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from agent.rpc.convert import (
     model_info_message,
@@ -54,6 +56,11 @@ class Backend(Protocol):
         """The configuration in force (a reload may replace it)."""
         ...
 
+    @property
+    def metrics(self) -> Metrics | None:
+        """Where every Generate's outcome and stats are counted (None: not counted)."""
+        ...
+
 
 class _Invalid:
     """A request that could not be parsed (bad protobuf, invalid UTF-8 in a string)."""
@@ -83,6 +90,19 @@ def _check(request: Any) -> None:
         raise InvalidRequest(request.reason)
 
 
+def _counted(sink: Callable[[TokenEvent], None], metrics: Metrics) -> Callable[[TokenEvent], None]:
+    """`sink`, counting the request's last event first: on the engine thread, so a request
+    whose client went away (nobody reads its pipe) is counted too, and before the client
+    can see the end."""
+
+    def put(event: TokenEvent) -> None:
+        if event.finish_reason is not None:
+            metrics.observe("grpc", event)
+        sink(event)
+
+    return put
+
+
 class AgentService:
     """The edge_agent.v1.Agent methods.
 
@@ -108,13 +128,17 @@ class AgentService:
         interval = config.server.stream_interval_ms / 1000
         flush_at = config.limits.max_pending_events // 2
         pipe = EventPipe(asyncio.get_running_loop(), interval, flush_at)
+        metrics = self._backend.metrics
+        sink = pipe.put if metrics is None else _counted(pipe.put, metrics)
         try:
             _check(request)
             engine = self._backend.engine()
             domain = to_request(request, engine, self._max_tokens, self.owner(context))
-            handle = engine.submit(domain, pipe.put, timeout=context.time_remaining())
+            handle = engine.submit(domain, sink, timeout=context.time_remaining())
         except AgentError as exc:
             log.info("generate refused: %s", exc)
+            if metrics is not None:
+                metrics.refused("grpc", "overloaded" if isinstance(exc, Overloaded) else "refused")
             await _abort(context, exc)
             return
         try:
