@@ -25,7 +25,7 @@ DEFAULT_SOCKET = Path("/run/edge-agent/agent.sock")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_TARGETS = ("auto", "journald", "stderr")
 
-TOP = ("server", "limits", "model", "log", "watchdog", "sessions", "fleet", "updates")
+TOP = ("server", "limits", "model", "log", "watchdog", "sessions", "fleet", "updates", "http")
 SERVER = (
     "socket",
     "socket_mode",
@@ -72,6 +72,11 @@ UPDATES = (
     "progress_interval_s",
     "retry_s",
     "max_download_attempts",
+)
+HTTP = ("listen", "key_file")
+HTTP_LISTEN = (
+    '"off", an absolute unix socket path, or HOST:PORT (loopback TCP, beside the default unix '
+    'socket), e.g. "/run/edge-agent/http.sock" or "127.0.0.1:8080"'
 )
 MQTT_PROTOCOLS = ("5", "3.1.1")
 BROKER_FORMAT = "mqtt://HOST:PORT or mqtts://HOST:PORT (mqtts: TLS)"
@@ -194,6 +199,37 @@ class UpdatesConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class HttpConfig:
+    """The OpenAI-compatible HTTP API (docs/API.md). `socket` None: beside the gRPC socket
+    (`http_socket`), with its mode and group; `tcp` is in addition to the unix socket."""
+
+    enabled: bool = True
+    socket: Path | None = None
+    tcp: str | None = None  # "HOST:PORT"; loopback only unless server.allow_remote_tcp
+    key_file: Path | None = None  # then every request needs "Authorization: Bearer <key>"
+
+
+def http_socket(config: AgentConfig) -> Path:
+    """Where the HTTP API's unix socket is: configured, or beside the gRPC one
+    (/run/edge-agent/agent.sock → /run/edge-agent/agent-http.sock)."""
+    sock = config.server.socket
+    return config.http.socket or sock.with_name(f"{sock.stem}-http.sock")
+
+
+def parse_http_listen(
+    source: str, key: str, value: str, allow_remote: bool, base: HttpConfig
+) -> HttpConfig:
+    """`[http] listen` / `--http`: "off", a unix socket path, or HOST:PORT."""
+    if value == "off":
+        return HttpConfig(False, None, None, base.key_file)
+    if value.startswith("/"):
+        return HttpConfig(True, Path(value), None, base.key_file)
+    if not value or ":" not in value:
+        raise ConfigError(source, key, value, HTTP_LISTEN)
+    return HttpConfig(True, None, check_tcp(source, key, value, allow_remote), base.key_file)
+
+
+@dataclass(frozen=True, slots=True)
 class AgentConfig:
     source: str = "<defaults>"
     server: ServerConfig = ServerConfig()
@@ -204,6 +240,7 @@ class AgentConfig:
     sessions: SessionsConfig = SessionsConfig()
     fleet: FleetConfig = FleetConfig()
     updates: UpdatesConfig = UpdatesConfig()
+    http: HttpConfig = HttpConfig()
 
 
 def check_tcp(source: str, key: str, value: str, allow_remote: bool) -> str:
@@ -302,7 +339,14 @@ def parse_config(data: Mapping[str, object], source: str) -> AgentConfig:
     fleet = _parse_fleet(ft, source) if ft is not None else d.fleet
     ut = top.table("updates", UPDATES, required=False)
     updates = _parse_updates(ut) if ut is not None else d.updates
-    return AgentConfig(source, server, limits, model, log, watchdog, sessions, fleet, updates)
+    ht = top.table("http", HTTP, required=False)
+    http = d.http
+    if ht is not None:
+        http = HttpConfig(key_file=ht.absolute_path("key_file"))
+        listen = ht.optional_text("listen")
+        if listen is not None:
+            http = parse_http_listen(source, "http.listen", listen, server.allow_remote_tcp, http)
+    return AgentConfig(source, server, limits, model, log, watchdog, sessions, fleet, updates, http)
 
 
 def _parse_updates(t: Table) -> UpdatesConfig:

@@ -24,6 +24,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         state_dir=Path(args.state_dir).resolve() if args.state_dir else None,
         broker=args.broker,
         device_id=args.device_id,
+        http=str(Path(args.http).absolute()) if args.http and "/" in args.http else args.http,
     )
     log_cfg = load_config(overrides.config_path).log
     configure_logging("debug" if args.verbose else log_cfg.level, log_cfg.target)  # replaces
@@ -40,6 +41,11 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("--quantization", help="pick this variant instead of the profile's choice")
     p.add_argument("--socket", help="unix socket path (default: /run/edge-agent/agent.sock)")
     p.add_argument("--tcp", help="also listen on HOST:PORT (loopback unless the config allows)")
+    p.add_argument(
+        "--http",
+        help="the OpenAI-compatible HTTP API: a unix socket PATH, HOST:PORT (loopback TCP "
+        "beside the default socket) or off (default: config, else beside --socket)",
+    )
     p.add_argument("--config", help="config file (default: /etc/edge-agent/agent.toml)")
     p.add_argument(
         "--state-dir", help="where sessions are saved to disk (default: /var/lib/edge-agent)"

@@ -20,9 +20,10 @@ import asyncio
 import dataclasses
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from agent import __version__
-from agent.config import load_config
+from agent.config import http_socket, load_config
 from agent.daemon.plan import (
     Overrides,
     Plan,
@@ -51,6 +52,9 @@ from agent.statelock import StateLock
 from agent.status import AgentStatus, rss_bytes
 from agent.systemd import Notifier
 
+if TYPE_CHECKING:
+    from agent.http.server import HttpServer
+
 log = logging.getLogger("agent.daemon")  # the name its lines have always had ("ready in")
 
 
@@ -65,6 +69,7 @@ class Daemon:
         self._last_status = ""
         self._fleet: FleetAgent | None = None
         self._updater: Updater | None = None
+        self._http: HttpServer | None = None  # the OpenAI-compatible API, beside gRPC
         self.metrics = Metrics(self._scrape)  # one for the daemon's life: rpc and http report
 
     # ------------------------------------------------------------------ Backend protocol
@@ -135,6 +140,8 @@ class Daemon:
         self._requests.install(asyncio.get_running_loop(), self._inject_stall)
         t0 = time.monotonic()
         unixsocket.check(self.config.server.socket)  # refused before anything changes
+        if self.config.http.enabled:
+            unixsocket.check(http_socket(self.config))
         lock = StateLock.acquire(state_dir(self.overrides))  # before anything writes there
         try:
             return await self._serve(t0)
@@ -153,6 +160,13 @@ class Daemon:
             server = s.server = Server(self, self.config.server, self.config.limits.max_tokens)
             await server.start()  # checks the socket path again, as it binds
         except BaseException:
+            engine.stop(0)
+            engine.close()
+            raise
+        try:
+            self._http = await self._start_http()
+        except BaseException:
+            await server.stop(grace=0)
             engine.stop(0)
             engine.close()
             raise
@@ -180,6 +194,18 @@ class Daemon:
         finally:
             await self._shutdown(server)
         return 0
+
+    async def _start_http(self) -> HttpServer | None:
+        """The OpenAI-compatible HTTP API (`agent.http`), unless `[http] listen = "off"`."""
+        if not self.config.http.enabled:
+            log.info('http: off ([http] listen = "off")')
+            return None
+        from agent.http.server import HttpServer  # imported only when it serves (~5 MiB)
+
+        # counted beside gRPC's in the daemon's one registry; GET /metrics serves it
+        http = HttpServer(self, self.config, self.config.limits.max_tokens, self.metrics)
+        await http.start()
+        return http
 
     def _start_fleet(self) -> None:
         """The MQTT fleet link, when a broker is configured; it never blocks the daemon."""
@@ -267,6 +293,8 @@ class Daemon:
             plan = with_update(load_plan(config, self.overrides), self._updater)
             if config.fleet != self.config.fleet:
                 log.warning("reload: [fleet] changes take effect at the next restart")
+            if config.http != self.config.http:
+                log.warning("reload: [http] changes take effect at the next restart")
             self.config = config
             if plan != s.plan:
                 s.state = "reloading"
@@ -300,6 +328,8 @@ class Daemon:
             log.info(
                 "shutdown: %s", "drained" if drained else "drain timed out, cancelled the rest"
             )
+        if self._http is not None:
+            await self._http.stop()
         await server.stop(grace=1.0)
         s.join_draining(timeout)
         if self._fleet is not None:

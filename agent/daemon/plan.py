@@ -41,6 +41,7 @@ class Overrides:
     state_dir: Path | None = None
     broker: str | None = None  # mqtt://HOST:PORT | mqtts://HOST:PORT
     device_id: str | None = None
+    http: str | None = None  # "off" | PATH | HOST:PORT (`agent.config.parse_http_listen`)
 
 
 def apply_overrides(config: AgentConfig, o: Overrides) -> AgentConfig:
@@ -66,7 +67,12 @@ def apply_overrides(config: AgentConfig, o: Overrides) -> AgentConfig:
         except ValueError as exc:
             raise ConfigError("--device-id", "device_id", o.device_id, str(exc)) from exc
         fleet = dataclasses.replace(fleet, device_id=o.device_id)
-    return dataclasses.replace(config, server=server, model=model, fleet=fleet)
+    http = config.http
+    if o.http is not None:
+        from agent.config import parse_http_listen
+
+        http = parse_http_listen("--http", "http", o.http, server.allow_remote_tcp, http)
+    return dataclasses.replace(config, server=server, model=model, fleet=fleet, http=http)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,6 @@
+"""The OpenAI-compatible HTTP API: an adapter beside `agent.rpc` on the same engine.
+
+`server` binds and serves (uvicorn on the daemon's own event loop, a unix socket and optional
+loopback TCP), `openai` holds the endpoints, `convert` turns OpenAI JSON into the engine's
+requests and its events into OpenAI JSON, `errors` turns domain errors into HTTP statuses.
+"""

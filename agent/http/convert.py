@@ -1,0 +1,326 @@
+"""OpenAI JSON ↔ the engine: a request body checked into a GenerateRequest, and the engine's
+events and stats into OpenAI's response, chunk and usage objects.
+
+Unknown fields are ignored, as OpenAI's own server does; a known field of the wrong type or
+out of range is an `HttpError` (400) naming it. What the daemon does not do yet is refused by
+name, never silently ignored (`tools`, `logprobs`, `n` > 1, `echo`, `suffix`).
+
+The domain rules that gRPC applies too are the same here: sampling falls back to the
+profile's defaults, and `max_tokens` may not exceed `[limits] max_tokens` (the same check as
+`agent.rpc.convert.to_request`); the engine validates the sampling ranges and the context.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from agent.engine.chat import ChatMessage
+from agent.engine.engine import Engine
+from agent.engine.sampler import SamplingParams
+from agent.engine.types import Constraint, GenerateRequest, RequestStats
+from agent.http.errors import HttpError
+
+MAX_STOP: Final = 16  # OpenAI allows 4; a few more cost nothing
+# OpenAI's roles → the engine's ("developer" is OpenAI's newer name for the system message)
+ROLE_MAP: Final = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
+FINISH: Final = {"stop": "stop", "length": "length"}  # cancelled / error never reach a client
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """A checked request: what goes to the engine, and how to answer."""
+
+    request: GenerateRequest
+    stream: bool
+    include_usage: bool
+
+
+def _bad(param: str, message: str, code: str | None = None) -> HttpError:
+    return HttpError(message, param=param, code=code)
+
+
+def _integer(body: Mapping[str, Any], name: str) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(name, f"{name} must be an integer, not {json.dumps(v)[:40]}")
+    return int(v)
+
+
+def _number(body: Mapping[str, Any], name: str) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise _bad(name, f"{name} must be a number, not {json.dumps(v)[:40]}")
+    return float(v)
+
+
+def _flag(body: Mapping[str, Any], name: str) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise _bad(name, f"{name} must be a boolean, not {json.dumps(v)[:40]}")
+    return v
+
+
+def _content(i: int, m: Mapping[str, Any]) -> str:
+    c = m.get("content")
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):  # content parts: only text ones
+        texts = []
+        for j, part in enumerate(c):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise _bad(
+                    f"messages[{i}].content[{j}]",
+                    f"messages[{i}].content[{j}] is a {kind!r} part; only text parts are supported",
+                )
+            if not isinstance(part.get("text"), str):
+                raise _bad(f"messages[{i}].content[{j}].text", "a text part needs a string text")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _bad(f"messages[{i}].content", f"messages[{i}].content must be a string or a list")
+
+
+def _messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise _bad("messages", "messages must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}]", f"messages[{i}] must be an object")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ROLE_MAP:
+            raise _bad(
+                f"messages[{i}].role",
+                f"messages[{i}].role = {json.dumps(role)[:40]}; allowed: {', '.join(ROLE_MAP)}",
+            )
+        if m.get("tool_calls"):
+            raise _bad(f"messages[{i}].tool_calls", "tool calls are not supported yet")
+        out.append(ChatMessage(ROLE_MAP[role], _content(i, m)))
+    return tuple(out)
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if (
+        not isinstance(stops, list)
+        or not all(isinstance(s, str) and s for s in stops)
+        or len(stops) > MAX_STOP
+    ):
+        raise _bad("stop", f"stop must be a non-empty string or a list of up to {MAX_STOP} of them")
+    return tuple(stops)
+
+
+def _constraint(body: Mapping[str, Any]) -> Constraint | None:
+    """`response_format` → the engine's Constraint (structured output, `agent.engine.constrain`):
+    {"type": "text"} is no constraint; json_object and json_schema are; anything else is a 400."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise _bad("response_format", "response_format must be an object with a type")
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise _bad(
+                "response_format.json_schema",
+                "response_format.json_schema must be an object with a schema object",
+            )
+        return Constraint("json_schema", json.dumps(spec.get("schema", {})))
+    raise _bad(
+        "response_format.type",
+        f"response_format.type = {kind!r}; allowed: text, json_object, json_schema",
+    )
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    n = _integer(body, "n")
+    if n is not None and n != 1:
+        raise _bad("n", f"n = {n}: this server returns one choice (n = 1)")
+    if body.get("tools"):
+        raise _bad("tools", "tools are not supported yet")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise _bad("tool_choice", "tool_choice needs tools, which are not supported yet")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise _bad("logprobs", "logprobs are not supported")
+
+
+def _common(
+    body: Mapping[str, Any], engine: Engine, max_tokens_limit: int, owner: str
+) -> tuple[dict[str, Any], bool, bool]:
+    _refuse_unsupported(body)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("model", "model must be a string")
+    max_tokens = _integer(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens")
+    if max_tokens is not None and max_tokens < 1:
+        raise _bad("max_tokens", f"max_tokens = {max_tokens} must be at least 1")
+    if max_tokens is not None and max_tokens > max_tokens_limit:
+        raise _bad(
+            "max_tokens",
+            f"max_tokens = {max_tokens} is above this agent's limit {max_tokens_limit}",
+        )
+    defaults = engine.profile.generation
+    temperature = _number(body, "temperature")
+    top_p = _number(body, "top_p")
+    top_k = _integer(body, "top_k")  # an extension (llama.cpp's server has it too)
+    seed = _integer(body, "seed")
+    sampling = SamplingParams(
+        temperature=defaults.temperature if temperature is None else temperature,
+        top_k=defaults.top_k if top_k is None else top_k,
+        top_p=defaults.top_p if top_p is None else top_p,
+        seed=seed,
+    )
+    session = body.get("session")  # an extension: the engine's session (docs/API.md)
+    if session is not None and (not isinstance(session, str) or not session):
+        raise _bad("session", "session must be a non-empty string (a session id)")
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("stream_options", "stream_options must be an object")
+    include_usage = _flag(options or {}, "include_usage")
+    if include_usage and not stream:
+        raise _bad("stream_options", "stream_options is only allowed when stream is true")
+    fields = {
+        "max_tokens": max_tokens,
+        "sampling": sampling,
+        "stop": _stop(body),
+        "session_id": session,
+        "owner": owner,
+        "constraint": _constraint(body),
+    }
+    return fields, stream, include_usage
+
+
+def chat_request(
+    body: Mapping[str, Any], engine: Engine, max_tokens_limit: int, owner: str = ""
+) -> Parsed:
+    """POST /v1/chat/completions → the engine's chat request."""
+    messages = _messages(body)
+    fields, stream, usage = _common(body, engine, max_tokens_limit, owner)
+    return Parsed(GenerateRequest("", messages=messages, **fields), stream, usage)
+
+
+def completion_request(
+    body: Mapping[str, Any], engine: Engine, max_tokens_limit: int, owner: str = ""
+) -> Parsed:
+    """POST /v1/completions → the engine's prompt request."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise _bad("prompt", "prompt must be a string (or a list of one string)")
+    if _flag(body, "echo"):
+        raise _bad("echo", "echo is not supported")
+    if body.get("suffix"):
+        raise _bad("suffix", "suffix is not supported")
+    best_of = _integer(body, "best_of")
+    if best_of is not None and best_of != 1:
+        raise _bad("best_of", f"best_of = {best_of}: this server returns one choice")
+    fields, stream, usage = _common(body, engine, max_tokens_limit, owner)
+    return Parsed(GenerateRequest(prompt, **fields), stream, usage)
+
+
+# ---------------------------------------------------------------------- responses
+
+
+def usage(stats: RequestStats | None) -> dict[str, Any]:
+    prompt = stats.prompt_tokens if stats else 0
+    completion = stats.generated_tokens if stats else 0
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens if stats else 0},
+    }
+
+
+def finish(reason: str | None) -> str | None:
+    return None if reason is None else FINISH.get(reason, reason)
+
+
+def chat_response(
+    rid: str, created: int, model: str, text: str, reason: str, stats: RequestStats | None
+) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-{rid}",
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish(reason),
+            }
+        ],
+        "usage": usage(stats),
+    }
+
+
+def chat_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    delta: dict[str, Any] | None,
+    reason: str | None = None,
+    stats: RequestStats | None = None,
+) -> dict[str, Any]:
+    """One streamed chunk; `delta` None with `stats`: the usage chunk (no choices)."""
+    chunk: dict[str, Any] = {
+        "id": f"chatcmpl-{rid}",
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": []
+        if delta is None
+        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish(reason)}],
+    }
+    if stats is not None:
+        chunk["usage"] = usage(stats)
+    return chunk
+
+
+def completion_response(
+    rid: str, created: int, model: str, text: str, reason: str | None, stats: RequestStats | None
+) -> dict[str, Any]:
+    """A whole completion; streamed chunks are the same object with a piece of the text."""
+    body: dict[str, Any] = {
+        "id": f"cmpl-{rid}",
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish(reason)}],
+    }
+    if stats is not None:
+        body["usage"] = usage(stats)
+    return body
