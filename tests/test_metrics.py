@@ -363,3 +363,62 @@ def test_a_real_daemon_counts_its_grpc_generates(
     assert value(s, "edge_agent_state", edge_agent_state="serving") == 1
     assert value(s, "edge_agent_fleet_link", edge_agent_fleet_link="off") == 1  # no broker
     assert value(s, "edge_agent_update_info", phase="none") == 1  # never updated
+
+
+# ---------------------------------------------------------------------------------- over HTTP
+
+
+def test_get_metrics_over_the_http_socket_counts_both_apis(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A real daemon process: Generates over gRPC and a chat completion over HTTP, then a
+    Prometheus scrape of GET /metrics on the HTTP unix socket, as curl or an agent does it."""
+    import httpx
+
+    from tests.daemon_harness import Daemon as DaemonProcess
+
+    d = DaemonProcess(tmp_path, tiny_model_dir, "[watchdog]\ntick_s = 0.2\n")
+    try:
+        sock = d.socket.with_name("agent-http.sock")
+        http = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), timeout=60)
+        c = d.client()
+        req = dict(temperature=None, top_k=None, top_p=None, seed=1, stop=[])
+        replies = [c.generate(build_request(p, None, max_tokens=5, **req)) for p in ("a", "b")]
+        chat = http.post(
+            "http://localhost/v1/chat/completions",
+            json={"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        )
+        assert chat.status_code == 200, chat.text
+        bad = http.post("http://localhost/v1/chat/completions", json={"messages": "not a list"})
+        assert bad.status_code == 400  # refused: never ran
+        scraped = http.get("http://localhost/metrics")
+        status = c.status()
+        c.close()
+        http.close()
+    finally:
+        assert d.stop() == 0, d.read_log()
+    assert scraped.status_code == 200
+    assert scraped.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    s: Samples = {}
+    for family in text_string_to_metric_families(scraped.text):
+        for sample in family.samples:
+            s[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    req_total = "edge_agent_requests_total"
+    for r in replies:
+        assert r.finish_reason in ("stop", "length")
+    grpc_ran = sum(value(s, req_total, api="grpc", outcome=o) for o in ("stop", "length"))
+    assert grpc_ran == 2
+    http_ran = sum(value(s, req_total, api="http", outcome=o) for o in ("stop", "length"))
+    assert http_ran == 1
+    assert value(s, req_total, api="http", outcome="refused") == 1
+    usage = chat.json()["usage"]
+    assert value(s, "edge_agent_generated_tokens_total", api="http") == usage["completion_tokens"]
+    assert value(s, "edge_agent_generated_tokens_total", api="grpc") == sum(
+        int(r.stats["generated_tokens"]) for r in replies
+    )
+    assert int(status["requests_total"]) == 3
+    assert int(status["tokens_generated"]) == sum(
+        value(s, "edge_agent_generated_tokens_total", api=a) for a in ("grpc", "http")
+    )
+    assert value(s, "edge_agent_state", edge_agent_state="serving") == 1
+    assert value(s, "edge_agent_queue_depth") == 0
