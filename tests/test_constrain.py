@@ -15,11 +15,13 @@ import jsonschema
 import numpy as np
 import pytest
 
-from agent.engine.constrain import CACHE_ENTRIES, MISSING_EXTRA
+from agent.engine.constrain import CACHE_ENTRIES, MISSING_EXTRA, ConstraintCompiler
 from agent.engine.engine import Engine
-from agent.engine.sampler import SamplingParams
+from agent.engine.sampler import Sampler, SamplingParams
 from agent.engine.types import Constraint, GenerateRequest
 from agent.errors import InvalidRequest
+from agent.runtime.tokenizer import Tokenizer
+from agent.runtime.tokenizer_load import load_tokenizer
 from tests.test_chat import BOOM, make_chat_dir
 from tests.test_chat import source as template_source
 
@@ -233,6 +235,83 @@ def test_token_bytes_are_what_decoding_gives(sp: Engine, bpe: Engine) -> None:
             # two tokens: a leading space of the first is the stream's to drop, not the second's
             assert tok.decode([i, i]).endswith(text), (i, b)
     assert any(bpe.tokenizer.token_text(i).startswith("Ġ") for i in range(bpe.tokenizer.vocab_size))
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory) -> dict[str, Tokenizer]:
+    """The three ways a vocabulary spells bytes: byte-level BPE (``Ġ``), Metaspace BPE with
+    ``<0xNN>`` byte fallback (Llama 2 / Gemma tokenizer.json), and a SentencePiece model with
+    byte fallback."""
+    import io
+
+    import sentencepiece as spm
+
+    from tests.test_tokenizer import CORPUS, _byte_level, _metaspace_byte_fallback
+
+    root = tmp_path_factory.mktemp("toks")
+    out: dict[str, Tokenizer] = {}
+    for name, text in (
+        ("bytelevel", _byte_level(600, CORPUS, None)),
+        ("metaspace", _metaspace_byte_fallback(CORPUS)),
+    ):
+        (root / name).mkdir()
+        (root / name / "tokenizer.json").write_text(text, encoding="utf-8")
+        out[name] = load_tokenizer(root / name / "tokenizer.json")
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS * 20),
+        model_writer=buf,
+        vocab_size=400,
+        hard_vocab_limit=False,
+        byte_fallback=True,
+        normalization_rule_name="identity",  # spaces, tabs and newlines kept as they are
+        remove_extra_whitespaces=False,
+        minloglevel=2,
+    )
+    (root / "sp").mkdir()
+    (root / "sp" / "tokenizer.model").write_bytes(buf.getvalue())
+    out["sentencepiece"] = load_tokenizer(root / "sp" / "tokenizer.model")
+    return out
+
+
+TEXTS = ["naïve 日本 🙂 café", "The quick brown fox", "x = [1, 2]  # tabs\tand\n", "Straße 💡"]
+
+
+@pytest.mark.parametrize("kind", ["bytelevel", "metaspace", "sentencepiece"])
+def test_token_bytes_spell_the_encoded_text(tokenizers, kind: str) -> None:
+    """Encoding by the library, then our bytes per id joined: the text's own UTF-8 (with the
+    leading space a Metaspace or dummy prefix adds)."""
+    tok = tokenizers[kind]
+    for text in TEXTS:
+        joined = b"".join(tok.token_bytes(i) for i in tok.encode(text))
+        assert joined in (text.encode(), b" " + text.encode()), (joined, text)
+    if kind != "bytelevel":  # "ß" and "💡" are not in the training text: byte pieces
+        pieces = [tok.token_text(i) for i in tok.encode("Straße 💡")]
+        assert "<0xF0>" in pieces and "<0xC3>" in pieces, pieces
+
+
+@pytest.mark.parametrize("kind", ["bytelevel", "metaspace", "sentencepiece"])
+def test_sampler_under_a_constraint_on_every_vocabulary_kind(tokenizers, kind: str) -> None:
+    """The sampler alone, fed random logits: what it picks decodes to a full match, spaces
+    and multi-byte characters (byte pieces) included."""
+    tok = tokenizers[kind]
+    eos = max(tok.special_ids)
+    compiler = ConstraintCompiler(tok, {eos})
+    pattern = r"(naïve|café|日本) [a-z]{1,6}( 🙂)?"
+    grammar = compiler.compile(Constraint("regex", pattern))
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        sampler = Sampler(SamplingParams(temperature=1.0, seed=seed, constraint=grammar))
+        ids: list[int] = []
+        for _ in range(60):
+            t = sampler(rng.standard_normal(tok.vocab_size).astype(np.float32) * 3)
+            if t == eos:
+                break
+            ids.append(t)
+        else:
+            raise AssertionError(f"no end after {ids}")
+        text = b"".join(tok.token_bytes(i) for i in ids).decode()
+        assert re.fullmatch(pattern, text), text
 
 
 def test_without_llguidance_a_constrained_request_names_the_extra(tiny_model_dir) -> None:

@@ -52,7 +52,15 @@ def _llguidance() -> Any:
 
 
 class _Tokens:
-    """What llguidance's `TokenizerWrapper` reads: every id's bytes, EOS, and an encoder."""
+    """What llguidance's `TokenizerWrapper` reads: every id's bytes, EOS, and an encoder.
+
+    llguidance tokenizes the bytes a grammar forces (``afé`` after ``c`` in ``café``) and
+    allows only that tokenization's first token, so the encoder must spell exactly the bytes
+    it is given, as they would continue the output. Our tokenizers do that for most text, but
+    a SentencePiece dummy prefix or a Metaspace ``prepend_scheme`` adds a leading ``▁``:
+    allowing only that space where ``a`` is forced would end in a dead end. Such text is
+    spelled by the longest matching tokens instead.
+    """
 
     def __init__(self, tokenizer: Tokenizer, eos: int) -> None:
         self._tok = tokenizer
@@ -60,9 +68,34 @@ class _Tokens:
         self.bos_token_id: int | None = None
         self.special_token_ids = sorted(tokenizer.special_ids)
         self.tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+        special = tokenizer.special_ids
+        self._ids: dict[bytes, int] = {}
+        for i in reversed(range(len(self.tokens))):  # the lowest id of equal spellings wins
+            if self.tokens[i] and i not in special:
+                self._ids[self.tokens[i]] = i
+        self._longest = max((len(b) for b in self._ids), default=1)
 
     def __call__(self, text: str) -> list[int]:
-        return self._tok.encode(text)
+        data = text.encode("utf-8")
+        ids = self._tok.encode(text)
+        if b"".join(self.tokens[i] for i in ids) == data:
+            return ids
+        return self.greedy(data)
+
+    def greedy(self, data: bytes) -> list[int]:
+        """`data` as the longest tokens that spell it (up to a byte no token holds)."""
+        out: list[int] = []
+        pos = 0
+        while pos < len(data):
+            for n in range(min(self._longest, len(data) - pos), 0, -1):
+                i = self._ids.get(data[pos : pos + n])
+                if i is not None:
+                    out.append(i)
+                    pos += n
+                    break
+            else:
+                return out
+        return out
 
 
 class ConstraintState:
