@@ -32,6 +32,15 @@ that way (it writes something derived from a content, or branches on it) is refu
 `InvalidRequest`: encoding its text whole could turn user text into control tokens. BOS for a
 chat comes only from the template (``{{ bos_token }}``), never added again.
 
+Tools (`agent.engine.toolcalls`): a request's tools reach the template as transformers passes
+them (``tools=[{"type": "function", "function": {name, description, parameters}}]``), an
+assistant message's calls as ``tool_calls`` (arguments as a mapping, for ``| tojson``), a tool
+result as role ``tool`` with its ``tool_call_id``/``name``. A message with empty content gets
+no sentinel (templates test ``{% if message.content %}``), and a content the template writes
+through ``| tojson`` (Llama 3's tool results) is matched in its escaped form, still encoded as
+content. The tool definitions and past calls are the template's text, so one that spells a
+special token is refused. A template with no place for tools renders without them.
+
 Sessions: the first turn renders its messages whole; a later turn renders only the text the
 template puts after the previous assistant content and up to the new generation prompt
 (`ChatTemplate.continuation`), so the KV of earlier turns is reused. What the session then
@@ -62,7 +71,8 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from agent.engine.types import ChatMessage
+from agent.engine.toolcalls import check_tool_text, format_of, message_dict, tool_dicts
+from agent.engine.types import ChatMessage, Tool
 from agent.errors import InvalidRequest
 from agent.runtime.tokenizer import Tokenizer
 
@@ -80,7 +90,7 @@ __all__ = [
     "template_for",
 ]
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 _SENTINEL = re.compile("\ue000(\\d+)\ue001")
 _MAX_STEPS = 100_000  # bound on the split's backtracking
 
@@ -100,8 +110,8 @@ def check_messages(messages: Sequence[ChatMessage]) -> None:
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise InvalidRequest(f"messages[{i}].role = {m.role!r}; allowed: {', '.join(ROLES)}")
-    if messages[-1].role != "user":
-        raise InvalidRequest("the last chat message must be from the user")
+    if messages[-1].role not in ("user", "tool"):
+        raise InvalidRequest("the last chat message must be from the user or a tool")
 
 
 def render_chat(messages: Sequence[ChatMessage], template: str) -> str:
@@ -210,6 +220,7 @@ class ChatTemplate:
             k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v is not None
         }
         self._compiled: jinja2.Template | None = None
+        self.tool_format = format_of(source)  # how its model writes a call (toolcalls.FORMATS)
         self.error = ""  # why the template cannot be used ("" when it can)
         if self.kind == "jinja":
             try:
@@ -225,15 +236,24 @@ class ChatTemplate:
         assert self._compiled is not None
         return self._compiled
 
-    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
-        """The template's text for `messages`, as transformers renders it."""
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool,
+        tools: Sequence[Tool] = (),
+        contents: Sequence[str] | None = None,
+    ) -> str:
+        """The template's text for `messages` (and `tools`), as transformers renders it;
+        `contents` in place of the messages' own."""
         template = self._usable()
-        data = [{"role": m.role, "content": m.content} for m in messages]
+        texts = [m.content for m in messages] if contents is None else contents
+        data = [message_dict(m, c) for m, c in zip(messages, texts, strict=True)]
         try:
             return template.render(
                 messages=data,
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=tool_dicts(tools) if tools else None,
                 documents=None,
                 **self._tokens,
             )
@@ -246,23 +266,33 @@ class ChatTemplate:
             raise ValueError("not a {system}/{user} template")
         return render_chat(messages, self.source)
 
-    def pieces(self, messages: Sequence[ChatMessage]) -> tuple[PromptPiece, ...]:
+    def pieces(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Tool] = ()
+    ) -> tuple[PromptPiece, ...]:
         """A whole conversation, ending in the generation prompt, split into pieces."""
         check_messages(messages)
-        return self._split(list(messages), 0)
+        return self._split(list(messages), 0, tools)
 
-    def continuation(self, messages: Sequence[ChatMessage]) -> tuple[PromptPiece, ...]:
+    def continuation(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Tool] = ()
+    ) -> tuple[PromptPiece, ...]:
         """The next turn of a conversation whose last assistant content the model holds:
         the template's text after that content, the new messages, the generation prompt."""
         check_messages(messages)
         history = [ChatMessage("user", "edge-agent:u"), ChatMessage("assistant", "edge-agent:a")]
-        return self._split([*history, *messages], len(history))
+        return self._split([*history, *messages], len(history), tools)
 
-    def _split(self, messages: list[ChatMessage], skip: int) -> tuple[PromptPiece, ...]:
-        """Render and split; the first `skip` messages are stand-ins whose text is dropped."""
-        real = self.render(messages, add_generation_prompt=True)
-        masked = [ChatMessage(m.role, _sentinel(i)) for i, m in enumerate(messages)]
-        parts = _SENTINEL.split(self.render(masked, add_generation_prompt=True))
+    def _split(
+        self, messages: list[ChatMessage], skip: int, tools: Sequence[Tool] = ()
+    ) -> tuple[PromptPiece, ...]:
+        """Render and split; the first `skip` messages are stand-ins whose text is dropped.
+        An empty content stays empty (a sentinel would make ``{% if message.content %}``
+        true: an assistant message that only calls tools would render differently)."""
+        real = self.render(messages, add_generation_prompt=True, tools=tools)
+        masked = [_sentinel(i) if m.content else "" for i, m in enumerate(messages)]
+        parts = _SENTINEL.split(
+            self.render(messages, add_generation_prompt=True, tools=tools, contents=masked)
+        )
         texts = parts[0::2]
         owners = [int(i) for i in parts[1::2]]
         contents = [messages[i].content for i in owners]
@@ -294,7 +324,8 @@ def _candidates(real: str, pos: int, content: str, following: str, last: bool) -
     """What a content may have become in the rendering at `pos`, most likely first: whole,
     trimmed, then any other part of it that the template's next piece follows."""
     seen: set[str] = set()
-    for c in (content, content.strip(), content.lstrip(), content.rstrip()):
+    escaped = json.dumps(content, ensure_ascii=False)[1:-1]  # inside `| tojson`'s quotes
+    for c in (content, content.strip(), content.lstrip(), content.rstrip(), escaped):
         if c not in seen and real.startswith(c, pos):
             seen.add(c)
             yield c
@@ -384,11 +415,18 @@ def chat_ids(
     messages: Sequence[ChatMessage],
     *,
     continuing: bool,
+    tools: Sequence[Tool] = (),
 ) -> list[int] | str:
     """A chat's prompt ids (`continuing`: the next turn of a session that holds the earlier
     ones); for the old ``{system}``/``{user}`` form the plain prompt text instead, which the
     caller encodes as any prompt."""
     if template.kind == "legacy":
+        if any(m.tool_calls or m.role == "tool" for m in messages):  # tools: not shown
+            raise InvalidRequest("the model's chat template has no place for tool calls")
         return template.legacy_prompt(messages)
-    pieces = template.continuation(messages) if continuing else template.pieces(messages)
+    check_tool_text(tokenizer, tools, messages)
+    if continuing:
+        pieces = template.continuation(messages, tools)
+    else:
+        pieces = template.pieces(messages, tools)
     return encode_pieces(pieces, tokenizer)

@@ -15,6 +15,7 @@ from agent.engine.sampler import SamplingParams
 from agent.engine.session import fit_context
 from agent.engine.sessions import SessionStore
 from agent.engine.stats import ModelInfo
+from agent.engine.toolcalls import request_constraint
 from agent.engine.types import GenerateRequest
 from agent.errors import ContextOverflow, InvalidRequest, SessionBusy
 from agent.modeldir import ModelMeta
@@ -53,9 +54,16 @@ class Intake:
         prompt = request.prompt
         if request.messages:
             chars = sum(len(m.content) for m in request.messages)
+            chars += sum(len(t.description) + len(t.parameters) for t in request.tools)
             if chars > MAX_PROMPT_CHARS:
                 raise InvalidRequest(f"chat is {chars} characters; at most {MAX_PROMPT_CHARS}")
-            rendered = chat_ids(self.chat, self.tokenizer, request.messages, continuing=not first)
+            rendered = chat_ids(
+                self.chat,
+                self.tokenizer,
+                request.messages,
+                continuing=not first,
+                tools=request.tools,
+            )
             if not isinstance(rendered, str):
                 return rendered
             prompt = rendered  # the old {system}/{user} form: a plain prompt
@@ -93,8 +101,10 @@ class Intake:
             temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p
         )
         sampling.validate(self.info.vocab_size)
-        if request.constraint is not None:  # compiled (or refused) before it is queued
-            sampling = replace(sampling, constraint=self.constraints().compile(request.constraint))
+        # tool_choice "required" / a named function: the call's schema (agent.engine.toolcalls)
+        constraint = request_constraint(request) or request.constraint
+        if constraint is not None:  # compiled (or refused) before it is queued
+            sampling = replace(sampling, constraint=self.constraints().compile(constraint))
         max_tokens = gen.max_tokens if request.max_tokens is None else request.max_tokens
         if max_tokens < 1:
             raise InvalidRequest(f"max_tokens = {max_tokens} must be at least 1")

@@ -10,14 +10,36 @@ if TYPE_CHECKING:  # only a field's type: the sampler itself needs numpy
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar")
+TOOL_CHOICES = ("auto", "none", "required", "function")  # "function": `tool_name` only
 SESSION_POLICIES = ("error", "truncate")  # what a turn that overflows the context does
 TIERS = ("empty", "bound", "host", "disk")  # where a session's KV lives ("empty": none yet)
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A function call an assistant made: `arguments` is a JSON object's text (as OpenAI's)."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    """A function the model may call: `parameters` is its JSON schema's text."""
+
+    name: str
+    description: str = ""
+    parameters: str = '{"type": "object", "properties": {}}'
+
+
+@dataclass(frozen=True, slots=True)
 class ChatMessage:
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool"
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
+    tool_call_id: str = ""  # a tool message: the call it answers
+    name: str = ""  # a tool message: the function that answered
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +72,9 @@ class GenerateRequest:
     owner: str = ""  # the caller's identity; a session answers only to the one that made it
     messages: tuple[ChatMessage, ...] = ()  # a chat instead of a prompt
     constraint: Constraint | None = None  # structured output: only what it allows
+    tools: tuple[Tool, ...] = ()  # functions the chat template shows the model
+    tool_choice: str = "auto"  # one of TOOL_CHOICES (agent.engine.toolcalls)
+    tool_name: str = ""  # the function a tool_choice "function" must call
 
 
 @dataclass(frozen=True, slots=True)
