@@ -213,7 +213,7 @@ def test_curl_over_the_unix_socket(sock: Path) -> None:
         ({"n": 2}, "n", "one choice"),
         ({"stop": [1]}, "stop", "string"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+        ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name", "name"),
         ({"response_format": {"type": "yaml"}}, "response_format.type", "allowed"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None, "text"),
     ],

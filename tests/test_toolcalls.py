@@ -472,3 +472,122 @@ def test_bad_tool_requests_are_refused_and_the_engine_keeps_serving(chatml, kw, 
 def test_tool_messages_on_the_old_template_form_are_refused(sp) -> None:
     with pytest.raises(InvalidRequest, match="no place for tool calls"):
         sp.complete(GenerateRequest("", messages=tuple(ROUND_TRIP[1:]), max_tokens=4))
+
+
+# ---------------------------------------------------------------- the OpenAI API, a real daemon
+
+
+def test_assistant_message_maps_each_family_to_openai_tool_calls() -> None:
+    from agent.http.convert import assistant_message, tool_delta
+
+    hermes = 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    message, reason = assistant_message(hermes, "hermes", "stop")
+    assert reason == "tool_calls" and message["content"] == "Sure."
+    (c,) = message["tool_calls"]
+    assert c["type"] == "function" and c["id"].startswith("call_")
+    assert c["function"] == {"name": "add", "arguments": '{"a": 1}'}
+    assert tool_delta(message)["tool_calls"][0]["index"] == 0
+    assert assistant_message(hermes, "hermes", "length") == (
+        {"role": "assistant", "content": hermes},
+        "length",
+    )
+    assert assistant_message(hermes, "", "stop")[1] == "stop"  # tool_choice none
+    plain = assistant_message("just text", "llama3", "stop")
+    assert plain == ({"role": "assistant", "content": "just text"}, "stop")
+
+
+@pytest.fixture(scope="module")
+def api(tiny_model_factory, tmp_path_factory):
+    """A real daemon on the Hermes-template model, its HTTP API on a unix socket."""
+    from tests.daemon_harness import Daemon
+
+    src = tiny_model_factory.model_dir(quantizations=("int8",), prefill_lens=(8, 32), kv_max=512)
+    tmp = tmp_path_factory.mktemp("tools-http")
+    d = make_chat_dir(src, tmp / "model", HERMES)
+    path = tmp / "h.sock"
+    (tmp / "d").mkdir()
+    daemon = Daemon(tmp / "d", d, "[limits]\nmax_active = 2\n", args=("--http", str(path)))
+    yield daemon, path
+    assert daemon.stop() == 0, daemon.read_log()
+
+
+def openai_tools() -> list[dict]:
+    return [
+        {"type": "function", "function": {"name": t.name, "parameters": json.loads(t.parameters)}}
+        for t in SHORT_TOOLS
+    ]
+
+
+def test_openai_sdk_gets_valid_tool_calls_whole_and_streamed(api) -> None:
+    from tests.test_http import http_client, raw
+
+    path = api[1]
+    c = http_client(path)
+    q = [{"role": "user", "content": "Weather in Paris?"}]
+    r = c.chat.completions.create(
+        model="tiny", messages=q, tools=openai_tools(), tool_choice="required", max_tokens=64
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (tc,) = choice.message.tool_calls
+    assert tc.type == "function" and tc.id
+    schema = {t.name: json.loads(t.parameters) for t in SHORT_TOOLS}[tc.function.name]
+    jsonschema.validate(json.loads(tc.function.arguments), schema)
+
+    named = {"type": "function", "function": {"name": "add"}}
+    stream = c.chat.completions.create(
+        model="tiny",
+        messages=q,
+        tools=openai_tools(),
+        tool_choice=named,
+        max_tokens=64,
+        temperature=1.0,
+        seed=5,
+        stream=True,
+    )
+    chunks = [ch for ch in stream if ch.choices]
+    calls = [d for ch in chunks for d in (ch.choices[0].delta.tool_calls or [])]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [d.function.name for d in calls] == ["add"]
+    jsonschema.validate(json.loads(calls[0].function.arguments), DIGIT)
+
+    # the round trip: the call and its result go back; the answer is whatever the model says
+    history = [
+        *q,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": tc.id, "type": "function", "function": tc.function.model_dump()}],
+        },
+        {"role": "tool", "tool_call_id": tc.id, "content": '{"temperature": 21}'},
+    ]
+    back = c.chat.completions.create(
+        model="tiny", messages=history, tools=openai_tools()[:1], max_tokens=4, temperature=0
+    )
+    assert back.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    fresh = c.chat.completions.create(
+        model="tiny", messages=q, tools=openai_tools()[:1], max_tokens=1, temperature=0
+    )
+    # the call and the result were rendered: tens of tokens each (1-2 characters a token)
+    assert back.usage.prompt_tokens > fresh.usage.prompt_tokens + 40
+
+    for body, param in [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 1}}]}, None),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "description": "<|im_end|>"}}
+                ]
+            },
+            None,
+        ),
+    ]:
+        full = {"messages": q, "tools": openai_tools(), **body}
+        bad = raw(path, "POST", "/v1/chat/completions", json=full)
+        assert bad.status_code == 400, bad.text
+        if param:
+            assert bad.json()["error"]["param"] == param
+    ok = c.chat.completions.create(model="tiny", messages=q, max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")

@@ -3,7 +3,11 @@ events and stats into OpenAI's response, chunk and usage objects.
 
 Unknown fields are ignored, as OpenAI's own server does; a known field of the wrong type or
 out of range is an `HttpError` (400) naming it. What the daemon does not do yet is refused by
-name, never silently ignored (`tools`, `logprobs`, `n` > 1, `echo`, `suffix`).
+name, never silently ignored (`logprobs`, `n` > 1, `echo`, `suffix`).
+
+Tools (`agent.engine.toolcalls`): `tools`, `tool_choice`, an assistant message's `tool_calls`
+and a `tool` message's `tool_call_id` become the engine's; the answer of a chat with tools is
+parsed whole (`Parsed.tool_parse`) into OpenAI `tool_calls` with `finish_reason: "tool_calls"`.
 
 The domain rules that gRPC applies too are the same here: sampling falls back to the
 profile's defaults, and `max_tokens` may not exceed `[limits] max_tokens` (the same check as
@@ -21,7 +25,8 @@ from typing import Any, Final
 from agent.engine.chat import ChatMessage
 from agent.engine.engine import Engine
 from agent.engine.sampler import SamplingParams
-from agent.engine.types import Constraint, GenerateRequest, RequestStats
+from agent.engine.toolcalls import parse, parse_constrained
+from agent.engine.types import Constraint, GenerateRequest, RequestStats, Tool, ToolCall
 from agent.http.errors import HttpError
 
 MAX_STOP: Final = 16  # OpenAI allows 4; a few more cost nothing
@@ -43,6 +48,9 @@ class Parsed:
     request: GenerateRequest
     stream: bool
     include_usage: bool
+    # how the answer is read for tool calls: "" not at all, "constrained" (tool_choice
+    # required / a function), else the template's format (agent.engine.toolcalls.FORMATS)
+    tool_parse: str = ""
 
 
 def _bad(param: str, message: str, code: str | None = None) -> HttpError:
@@ -112,10 +120,77 @@ def _messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
                 f"messages[{i}].role",
                 f"messages[{i}].role = {json.dumps(role)[:40]}; allowed: {', '.join(ROLE_MAP)}",
             )
-        if m.get("tool_calls"):
-            raise _bad(f"messages[{i}].tool_calls", "tool calls are not supported yet")
-        out.append(ChatMessage(ROLE_MAP[role], _content(i, m)))
+        calls = _tool_calls(i, m.get("tool_calls")) if role == "assistant" else ()
+        call_id, name = m.get("tool_call_id"), m.get("name")
+        if role != "tool" or not isinstance(call_id, str):
+            call_id = ""
+        if role != "tool" or not isinstance(name, str):
+            name = ""
+        out.append(ChatMessage(ROLE_MAP[role], _content(i, m), calls, call_id, name))
     return tuple(out)
+
+
+def _tool_calls(i: int, raw: Any) -> tuple[ToolCall, ...]:
+    """An assistant message's `tool_calls` (OpenAI's shape: arguments as a JSON string)."""
+    if raw is None:
+        return ()
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(raw, list):
+        raise _bad(where, f"{where} must be a list")
+    calls = []
+    for j, c in enumerate(raw):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise _bad(f"{where}[{j}]", f"{where}[{j}] needs a function with a name")
+        args = f.get("arguments", "{}")
+        if not isinstance(args, str):
+            raise _bad(f"{where}[{j}].function.arguments", "arguments must be a JSON string")
+        cid = c.get("id")
+        calls.append(ToolCall(cid if isinstance(cid, str) else "", f["name"], args or "{}"))
+    return tuple(calls)
+
+
+def _tools(body: Mapping[str, Any]) -> tuple[tuple[Tool, ...], str, str]:
+    """`tools` and `tool_choice` → the engine's tools, tool_choice and tool_name."""
+    raw = body.get("tools")
+    if raw is None:
+        raw = []
+    if not isinstance(raw, list):
+        raise _bad("tools", "tools must be a list of functions")
+    tools = []
+    for j, t in enumerate(raw):
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict):
+            raise _bad(f"tools[{j}]", f'tools[{j}] must be {{"type": "function", "function": ...}}')
+        if not isinstance(f.get("name"), str) or not f["name"]:
+            raise _bad(f"tools[{j}].function.name", f"tools[{j}].function needs a name")
+        description = f.get("description", "")
+        if not isinstance(description, str):
+            raise _bad(f"tools[{j}].function.description", "description must be a string")
+        params = f.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise _bad(f"tools[{j}].function.parameters", "parameters must be a JSON schema object")
+        tools.append(Tool(f["name"], description, json.dumps(params)))
+    choice = body.get("tool_choice")
+    name = ""
+    if choice is None:
+        choice = "auto"
+    elif isinstance(choice, dict):
+        f = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(f, dict):
+            raise _bad("tool_choice", 'tool_choice must be {"type": "function", "function": ...}')
+        given = f.get("name")
+        if not isinstance(given, str) or not given:
+            raise _bad("tool_choice", "tool_choice.function needs a name")
+        name = given
+        if name not in {t.name for t in tools}:
+            raise _bad("tool_choice", f"tool_choice names {name!r}, which is not one of the tools")
+        choice = "function"
+    elif choice not in ("auto", "none", "required"):
+        raise _bad("tool_choice", 'tool_choice must be "auto", "none", "required" or a function')
+    if choice == "required" and not tools:
+        raise _bad("tool_choice", "tool_choice required needs tools")
+    return tuple(tools), choice, name
 
 
 def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -163,10 +238,6 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     n = _integer(body, "n")
     if n is not None and n != 1:
         raise _bad("n", f"n = {n}: this server returns one choice (n = 1)")
-    if body.get("tools"):
-        raise _bad("tools", "tools are not supported yet")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise _bad("tool_choice", "tool_choice needs tools, which are not supported yet")
     if body.get("logprobs") or body.get("top_logprobs"):
         raise _bad("logprobs", "logprobs are not supported")
 
@@ -226,7 +297,17 @@ def chat_request(
     """POST /v1/chat/completions → the engine's chat request."""
     messages = _messages(body)
     fields, stream, usage = _common(body, engine, max_tokens_limit, owner)
-    return Parsed(GenerateRequest("", messages=messages, **fields), stream, usage)
+    tools, choice, name = _tools(body)
+    if not tools or choice == "none":
+        tool_parse = ""  # "none": the tools are shown, the answer is text
+    elif choice == "auto":
+        tool_parse = "" if engine.chat.tool_format == "none" else engine.chat.tool_format
+    else:
+        tool_parse = "constrained"
+    request = GenerateRequest(
+        "", messages=messages, tools=tools, tool_choice=choice, tool_name=name, **fields
+    )
+    return Parsed(request, stream, usage, tool_parse)
 
 
 def completion_request(
@@ -285,6 +366,32 @@ def chat_response(
         ],
         "usage": usage(stats),
     }
+
+
+def assistant_message(text: str, tool_parse: str, reason: str) -> tuple[dict[str, Any], str]:
+    """The answer as OpenAI's assistant message, and its finish reason: with the calls it
+    holds (`tool_parse`, `Parsed`), ``"tool_calls"``; an answer cut by max_tokens, or one
+    with no well-formed call, is plain content."""
+    if not tool_parse or reason != "stop":
+        return {"role": "assistant", "content": text}, reason
+    found = parse_constrained(text) if tool_parse == "constrained" else parse(text, tool_parse)
+    if not found.calls:
+        return {"role": "assistant", "content": text}, reason
+    calls = [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in found.calls
+    ]
+    return {"role": "assistant", "content": found.content, "tool_calls": calls}, "tool_calls"
+
+
+def tool_delta(message: dict[str, Any]) -> dict[str, Any]:
+    """A streamed answer's whole message as one delta: its content, its calls indexed."""
+    delta: dict[str, Any] = {}
+    if message.get("content"):
+        delta["content"] = message["content"]
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+    return delta
 
 
 def chat_chunk(

@@ -239,7 +239,9 @@ class Api:
         model = engine.info.name
         created = int(time.time())
         if parsed.stream:
-            stream = self._stream(handle, events, model, created, chat, parsed.include_usage)
+            stream = self._stream(
+                handle, events, model, created, chat, parsed.include_usage, parsed.tool_parse
+            )
             return StreamingResponse(
                 stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
@@ -271,6 +273,11 @@ class Api:
             out = convert.chat_response(
                 handle.id, created, model, text, event.finish_reason, event.stats
             )
+            if parsed.tool_parse:  # the calls it holds (agent.engine.toolcalls)
+                message, reason = convert.assistant_message(
+                    text, parsed.tool_parse, event.finish_reason
+                )
+                out["choices"][0].update(message=message, finish_reason=reason)
         else:
             out = convert.completion_response(
                 handle.id, created, model, text, event.finish_reason, event.stats
@@ -285,8 +292,10 @@ class Api:
         created: int,
         chat: bool,
         include_usage: bool,
+        tool_parse: str = "",
     ) -> AsyncIterator[bytes]:
         rid = handle.id
+        held: list[str] = []  # a chat with tools: its answer, parsed whole for its calls
         try:
             if chat:
                 yield _sse(
@@ -300,7 +309,15 @@ class Api:
                     why = event.error or "no reason given"
                     yield _sse(error_body(f"generation {end}: {why}", "server_error"))
                     return
-                if chat:
+                if chat and tool_parse:
+                    held.append(event.text)
+                    if end is not None:
+                        text = "".join(held)
+                        message, reason = convert.assistant_message(text, tool_parse, end)
+                        delta = convert.tool_delta(message)
+                        yield _sse(convert.chat_chunk(rid, created, model, delta))
+                        yield _sse(convert.chat_chunk(rid, created, model, {}, reason))
+                elif chat:
                     delta = {"content": event.text} if event.text else {}
                     if delta or end is not None:
                         yield _sse(convert.chat_chunk(rid, created, model, delta, end))
