@@ -591,3 +591,25 @@ def test_openai_sdk_gets_valid_tool_calls_whole_and_streamed(api) -> None:
             assert bad.json()["error"]["param"] == param
     ok = c.chat.completions.create(model="tiny", messages=q, max_tokens=2)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_the_docs_tool_example_runs_verbatim(api) -> None:
+    """docs/API.md's "Tool calls" example, with this daemon's socket for the default."""
+    import re
+    import subprocess
+    import sys
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "API.md").read_text()
+    (example,) = re.findall(r"<!-- tested: test_toolcalls\.py -->\n```python\n(.*?)```", doc, re.S)
+    default = "/run/edge-agent/agent-http.sock"
+    assert default in example
+    out = subprocess.run(
+        [sys.executable, "-c", example.replace(default, str(api[1]))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[0].split(" ", 2)
+    assert first[:2] == ["tool_calls", "get_weather"]
+    jsonschema.validate(json.loads(first[2]), CITY)
