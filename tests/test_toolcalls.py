@@ -613,3 +613,43 @@ def test_the_docs_tool_example_runs_verbatim(api) -> None:
     first = out.stdout.splitlines()[0].split(" ", 2)
     assert first[:2] == ["tool_calls", "get_weather"]
     jsonschema.validate(json.loads(first[2]), CITY)
+
+
+def test_a_session_continues_with_the_tools_result(qwen) -> None:
+    """A session's first turn calls (constrained); the next turn sends only the tool's result:
+    the session holds the tools, the call the model wrote and the result, in the template's
+    form, and what the model generated is kept as it wrote it."""
+    sid = qwen.create_session()
+    try:
+        tools = SHORT_TOOLS[:1]
+        first = qwen.complete(
+            GenerateRequest(
+                "",
+                messages=(ChatMessage("user", "Weather in Paris?"),),
+                tools=tools,
+                tool_choice="required",
+                session_id=sid,
+                max_tokens=64,
+                sampling=SamplingParams(0.0),
+            )
+        )
+        assert first.finish_reason == "stop", first.text
+        (made,) = parse_constrained(first.text).calls
+        jsonschema.validate(json.loads(made.arguments), CITY)
+        result = ChatMessage("tool", '{"temperature": 21}', tool_call_id=made.id)
+        second = qwen.complete(
+            GenerateRequest(
+                "",
+                messages=(result,),
+                tools=tools,
+                session_id=sid,
+                max_tokens=4,
+                sampling=SamplingParams(0.0),
+            )
+        )
+        assert second.finish_reason in ("stop", "length")
+        held = qwen.tokenizer.decode(qwen.session_tokens(sid))
+        assert held.index("<tools>") < held.index(first.text) < held.index("<tool_response>")
+        assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in held
+    finally:
+        qwen.delete_session(sid)
