@@ -70,7 +70,8 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "ota": frozenset({"config", "errors", "fsutil", "modeldir", "pb", "runtime.schema"}),
     # the OpenAI-compatible HTTP API: an adapter beside rpc (shares its socket rules, not its code)
     "http": frozenset(
-        {"config", "engine", "errors", "exitcodes", "fsutil", "status", "metrics", "rpc.unixsocket"}
+        {"config", "engine", "errors", "exitcodes", "fsutil", "status", "metrics"}
+        | {"rpc.unixsocket", "rpc.identity"}  # one socket rule and one client identity for both
     ),
     # Prometheus metrics: read from the status snapshot and the engine's data types
     "metrics": frozenset({"status", "engine.types", "engine.stats"}),

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from agent.errors import InvalidRequest, NonFiniteLogits
+
+if TYPE_CHECKING:
+    from agent.profile import GenerationDefaults
 
 
 class GrammarState(Protocol):
@@ -37,6 +40,24 @@ class SamplingParams:
     seed: int | None = None
     # structured output: only tokens this grammar allows (the intake compiles it)
     constraint: Grammar | None = None
+
+    @classmethod
+    def with_defaults(
+        cls,
+        defaults: GenerationDefaults,
+        *,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ) -> SamplingParams:
+        """A request's sampling: what it says, else the profile's defaults (both APIs)."""
+        return cls(
+            temperature=defaults.temperature if temperature is None else temperature,
+            top_k=defaults.top_k if top_k is None else top_k,
+            top_p=defaults.top_p if top_p is None else top_p,
+            seed=seed,
+        )
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequest naming the parameter, its value and the allowed range."""

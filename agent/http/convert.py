@@ -259,16 +259,12 @@ def _common(
             "max_tokens",
             f"max_tokens = {max_tokens} is above this agent's limit {max_tokens_limit}",
         )
-    defaults = engine.profile.generation
-    temperature = _number(body, "temperature")
-    top_p = _number(body, "top_p")
-    top_k = _integer(body, "top_k")  # an extension (llama.cpp's server has it too)
-    seed = _integer(body, "seed")
-    sampling = SamplingParams(
-        temperature=defaults.temperature if temperature is None else temperature,
-        top_k=defaults.top_k if top_k is None else top_k,
-        top_p=defaults.top_p if top_p is None else top_p,
-        seed=seed,
+    sampling = SamplingParams.with_defaults(
+        engine.profile.generation,
+        temperature=_number(body, "temperature"),
+        top_k=_integer(body, "top_k"),  # an extension (llama.cpp's server has it too)
+        top_p=_number(body, "top_p"),
+        seed=_integer(body, "seed"),
     )
     session = body.get("session")  # an extension: the engine's session (docs/API.md)
     if session is not None and (not isinstance(session, str) or not session):

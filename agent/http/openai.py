@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import hmac
 import json
 import logging
@@ -38,11 +37,11 @@ from agent.engine.types import TokenEvent
 from agent.errors import AgentError, Overloaded, Unavailable
 from agent.http import convert
 from agent.http.errors import HttpError, describe, error_body
+from agent.rpc.identity import owner_of
 
 log = logging.getLogger("agent.http")
 
 CLIENT_HEADER: Final = "edge-agent-client"  # the same client key as gRPC's metadata entry
-OWNER_HEX: Final = 32  # as `agent.rpc.identity.owner_of`: one owner for one key on both APIs
 
 
 class Counter(Protocol):
@@ -66,11 +65,6 @@ class Backend(Protocol):
     def config(self) -> AgentConfig:
         """The configuration in force (a reload may replace it)."""
         ...
-
-
-def owner_of(key: str) -> str:
-    """A session owner for a client key, the same value gRPC's `owner_of` gives."""
-    return hashlib.sha256(key.encode()).hexdigest()[:OWNER_HEX] if key else ""
 
 
 class _Events:

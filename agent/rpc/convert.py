@@ -40,12 +40,12 @@ def to_request(
         prompt = msg.prompt
     else:
         raise InvalidRequest("request has neither a prompt nor chat messages")
-    defaults = engine.profile.generation
     s = msg.sampling
-    sampling = SamplingParams(
-        temperature=s.temperature if s.HasField("temperature") else defaults.temperature,
-        top_k=s.top_k if s.HasField("top_k") else defaults.top_k,
-        top_p=s.top_p if s.HasField("top_p") else defaults.top_p,
+    sampling = SamplingParams.with_defaults(
+        engine.profile.generation,
+        temperature=s.temperature if s.HasField("temperature") else None,
+        top_k=s.top_k if s.HasField("top_k") else None,
+        top_p=s.top_p if s.HasField("top_p") else None,
         seed=s.seed if s.HasField("seed") else None,
     )
     max_tokens = msg.max_tokens if msg.HasField("max_tokens") else None
