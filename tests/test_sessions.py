@@ -232,9 +232,11 @@ def test_prefix_cache_reuses_a_shared_system_prompt(tiered) -> None:
     first = e.complete(GenerateRequest(system + "def a():", max_tokens=4, sampling=GREEDY))
     second = e.complete(GenerateRequest(system + "def b():", max_tokens=4, sampling=GREEDY))
     assert first.stats.cached_tokens == 0
-    assert second.stats.cached_tokens >= 32 and second.stats.cached_tokens % 32 == 0
+    # the first's free cache holds more of it than whole blocks: it is reused instead (the
+    # prefix cache's own hit, when that cache is gone: tests/test_prompt_reuse.py)
+    assert second.stats.cached_tokens >= 32
     st = e.tier_stats()
-    assert st.prefix_hits == 1 and st.prefix_entries >= 1 and 0 < st.prefix_bytes <= 8 * MIB
+    assert st.prefix_entries >= 1 and 0 < st.prefix_bytes <= 8 * MIB
     off = tiered(caches=2)
     plain = off.complete(GenerateRequest(system + "def b():", max_tokens=4, sampling=GREEDY))
     assert second.token_ids == plain.token_ids

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.engine.binding import PREFIX_BLOCK, bind, remember_prefix
+from agent.engine.binding import PREFIX_BLOCK, bind, held_tokens, remember_prefix
 from agent.engine.generation import Generation
 from agent.engine.intake import Intake
 from agent.engine.kvpool import KVPool
@@ -366,7 +366,10 @@ class Engine(SessionCalls):
                 session.busy = False
                 session.last_used = time.time()
             elif p.kv is not None:
-                self._store.give_kv(p.kv)
+                gen = p.generation
+                assert gen is not None
+                held = held_tokens(p, gen.generated, gen.kv_rows, last.finish_reason or "")
+                self._store.give_kv(p.kv, held)
             self._tally.finished(last)
         if stats is not None:
             log.info(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from agent.engine.kvpool import KVPool
@@ -141,22 +142,30 @@ class SessionStore:
     # ------------------------------------------------------------------ tiers
 
     def take_kv(self) -> KVCache:
-        """A runtime cache: a free one, or the one of the least recently used idle bound
-        session, which moves down a tier."""
-        kv = self._pool.take()
-        if kv is not None:
-            return kv
+        """A runtime cache to be written from row 0: a free one, or the one of the least
+        recently used idle bound session, which moves down a tier."""
+        return self.take_kv_for(())[0]
+
+    def take_kv_for(self, ids: Sequence[int]) -> tuple[KVCache, int]:
+        """A runtime cache for a request without a session, and how many of its leading rows
+        already hold ``ids[:n]`` (a free cache's rows, see `KVPool.take_for`); a spilled
+        session's cache holds nothing reusable."""
+        got = self._pool.take_for(ids)
+        if got is not None:
+            return got
         bound = [s for s in self.sessions.values() if s.tier == "bound" and not s.busy]
         if not bound:
             raise Overloaded(f"all {self._pool.capacity} KV caches are in use")
         victim = min(bound, key=lambda s: s.last_used)
         self.spill(victim)
-        kv = self._pool.take()
-        assert kv is not None  # the spill gave one back
-        return kv
+        got = self._pool.take_for(())
+        assert got is not None  # the spill gave one back
+        return got
 
-    def give_kv(self, kv: KVCache) -> None:
-        self._pool.give(kv)
+    def give_kv(self, kv: KVCache, tokens: Sequence[int] = ()) -> None:
+        """A request's cache back to the pool, with the ids whose rows it holds in full (empty
+        when they are not known, e.g. after a runtime failure)."""
+        self._pool.give(kv, tokens)
 
     def spill(self, s: Session) -> None:
         """Bound → host (→ disk when the host tier is full or off)."""

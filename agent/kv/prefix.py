@@ -70,6 +70,13 @@ class PrefixCache:
         evicted = self._lru.put(key, snapshot, snapshot.nbytes)
         return all(k != key for k, _ in evicted)
 
+    def holds(self, tokens: Sequence[int]) -> bool:
+        """Whether exactly `tokens` (whole blocks) are stored; neither a hit nor a miss."""
+        if not tokens or len(tokens) % self.block:
+            return False
+        found = self._lru.peek(block_hashes(tokens, self.block)[-1])
+        return found is not None and found.tokens == tuple(tokens)
+
     def lookup(self, tokens: Sequence[int]) -> KVSnapshot | None:
         """The snapshot of the longest stored whole-block prefix of `tokens`, or None.
 
