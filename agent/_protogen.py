@@ -34,8 +34,12 @@ def prefix_imports(text: str, prefix: str = PREFIX) -> str:
     return _MODULE.sub(rf"\1{prefix}.\2", _IMPORT.sub(rf"\1\2 {prefix}.\3", text))
 
 
-def generate(proto_dir: Path = PROTO_DIR, out_root: Path = ROOT) -> list[Path]:
-    """Run grpc_tools.protoc on every .proto under `proto_dir`; return the files written."""
+def generate(
+    proto_dir: Path = PROTO_DIR, out_root: Path = ROOT, prefix: str = PREFIX
+) -> list[Path]:
+    """Run grpc_tools.protoc on every .proto under `proto_dir` into the package `prefix` under
+    `out_root` (the daemon's `agent.pb`; the client distribution's `edge_agent_client.pb`);
+    return the files written."""
     import grpc_tools
     from grpc_tools import protoc  # build-time dependency (grpcio-tools)
 
@@ -43,7 +47,7 @@ def generate(proto_dir: Path = PROTO_DIR, out_root: Path = ROOT) -> list[Path]:
     if not protos:
         raise RuntimeError(f"no .proto files under {proto_dir}")
     include = str(Path(grpc_tools.__file__).parent / "_proto")
-    pb = out_root / "agent" / "pb"
+    pb = out_root.joinpath(*prefix.split("."))
     written = []
     with tempfile.TemporaryDirectory(prefix="edge-agent-protoc-") as tmp:
         args = [
@@ -61,7 +65,7 @@ def generate(proto_dir: Path = PROTO_DIR, out_root: Path = ROOT) -> list[Path]:
             target = pb / made.relative_to(tmp)
             target.parent.mkdir(parents=True, exist_ok=True)
             partial = target.with_name(target.name + ".partial")
-            partial.write_text(prefix_imports(made.read_text()))
+            partial.write_text(prefix_imports(made.read_text(), prefix))
             os.replace(partial, target)  # a running process never imports half a module
             written.append(target)
     for d in [pb, *[p for p in pb.rglob("*") if p.is_dir()]]:

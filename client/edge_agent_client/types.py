@@ -1,0 +1,205 @@
+"""What the client returns: frozen dataclasses, one per API message (never protobuf messages).
+
+Field names are the protobuf fields' names (docs/API.md describes them); repeated fields are
+tuples, enums are strings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+FINISH_REASONS: Mapping[int, FinishReason] = {
+    1: "stop",
+    2: "length",
+    3: "cancelled",
+    4: "error",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One chat message: role "system" | "user" | "assistant", and its text."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """How a request went; sent with its last chunk."""
+
+    prompt_tokens: int
+    generated_tokens: int
+    ttft_ms: float
+    prefill_tok_s: float
+    decode_tok_s: float
+    accelerator: str
+    queue_ms: float
+    cached_tokens: int  # prompt tokens whose KV was reused (session, shared prefix)
+    truncated_tokens: int  # history a "truncate" session dropped to fit this turn
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One streamed piece of a generation: the new text (never half a character), its token
+    ids; `finish_reason` and `stats` on the last chunk only."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    stats: Stats | None
+    error: str
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A whole generation. `finish_reason` is "cancelled" when the caller cancelled it."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    stats: Stats | None
+    error: str
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class KVTiers:
+    """Sessions and bytes per KV tier, and how often each served a turn."""
+
+    bound_sessions: int
+    bound_bytes: int
+    host_sessions: int
+    host_bytes: int
+    host_budget: int
+    disk_sessions: int
+    disk_bytes: int
+    disk_budget: int
+    spills: int
+    restores_host: int
+    restores_disk: int
+    lost: int
+    resume_hits: int
+    resume_misses: int
+    prefix_hits: int
+    prefix_misses: int
+    prefix_bytes: int
+    prefix_entries: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    version: str
+    sha256: str
+    quantization: str
+    vocab_size: int
+    context_length: int
+    signatures: tuple[str, ...]
+    accelerator: str
+    execution_path: str
+    kv_layout: str
+    fallbacks: tuple[str, ...]
+    kv: KVTiers
+    kv_bytes_per_session: int
+    kv_caches: int
+    prepared: str
+
+
+@dataclass(frozen=True, slots=True)
+class Percentiles:
+    p50: float
+    p95: float
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    profile: str
+    version: str
+    uptime_s: float
+    rss_bytes: int
+    budget_bytes: int
+    planned_bytes: int
+    queue_depth: int
+    queue_capacity: int
+    active_requests: int
+    max_active: int
+    active_sessions: int
+    requests_total: int
+    requests_failed: int
+    requests_rejected: int
+    tokens_generated: int
+    ttft_ms: Percentiles
+    decode_tok_s: Percentiles
+    state: str  # "serving" | "reloading" | "stopping"
+    model: str
+    kv: KVTiers
+    nonfinite_logits: int
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    id: str
+    tier: str  # "empty" | "bound" | "host" | "disk"
+    tokens: int
+    kv_bytes: int
+    policy: str  # "error" | "truncate"
+    created_unix: float
+    last_used_unix: float
+
+
+T = TypeVar("T")
+
+
+def plain(cls: type[T], message: Any, **given: Any) -> T:
+    """`cls` from a protobuf message: every field not `given` is the message's field of the same
+    name; repeated fields become tuples."""
+    values = dict(given)
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name not in values:
+            value = getattr(message, f.name)
+            values[f.name] = value if isinstance(value, str | int | float) else tuple(value)
+    return cls(**values)
+
+
+def kv_tiers(message: Any) -> KVTiers:
+    return plain(KVTiers, message)
+
+
+def stats(message: Any) -> Stats:
+    return plain(Stats, message)
+
+
+def model_info(message: Any) -> ModelInfo:
+    return plain(ModelInfo, message, kv=kv_tiers(message.kv))
+
+
+def status(message: Any) -> Status:
+    return plain(
+        Status,
+        message,
+        ttft_ms=plain(Percentiles, message.ttft_ms),
+        decode_tok_s=plain(Percentiles, message.decode_tok_s),
+        kv=kv_tiers(message.kv),
+    )
+
+
+def session_info(message: Any) -> SessionInfo:
+    return plain(SessionInfo, message)
+
+
+def chunk(message: Any) -> Chunk:
+    reason = FINISH_REASONS.get(message.finish_reason)
+    return Chunk(
+        text=message.text,
+        token_ids=tuple(message.token_ids),
+        finish_reason=reason,
+        stats=stats(message.stats) if message.HasField("stats") else None,
+        error=message.error,
+        request_id=message.request_id,
+    )
