@@ -91,7 +91,7 @@ def plain(ref: Engine, ids: list[int], n: int = REPLY) -> list[int]:
 def free_caches(e: Engine) -> list[tuple[object, list[int]]]:
     """The engine's free caches and the ids each claims its rows hold (the engine is idle)."""
     with e._cv:
-        return [(kv, [int(t) for t in held]) for kv, held in e._pool._free]
+        return [(kv, [int(t) for t in held]) for kv, held, _ in e._pool._free]
 
 
 def check_rows(e: Engine, ref: Engine) -> None:

@@ -369,7 +369,7 @@ class Engine(SessionCalls):
                 gen = p.generation
                 assert gen is not None
                 held = held_tokens(p, gen.generated, gen.kv_rows, last.finish_reason or "")
-                self._store.give_kv(p.kv, held)
+                self._store.give_kv(p.kv, held, len(p.ids))
             self._tally.finished(last)
         if stats is not None:
             log.info(

@@ -32,18 +32,19 @@ def common_prefix(a: npt.NDArray[np.int64], b: npt.NDArray[np.int64]) -> int:
 class KVPool:
     """Runtime KV caches, made on demand up to `capacity`. `doubling` (kNextPowerOfTwo) grows
     the pool by as many as it has, otherwise (kSameAsRequested) by exactly one. Free caches
-    are kept oldest first with the token ids their rows hold (none when unknown)."""
+    are kept oldest first with the token ids their rows hold (none when unknown) and how many
+    of those were the prompt of the request that left them."""
 
     def __init__(self, make: Callable[[], KVCache], capacity: int, doubling: bool) -> None:
         self._make = make
         self.capacity = capacity
         self._doubling = doubling
-        self._free: list[tuple[KVCache, npt.NDArray[np.int64]]] = []
+        self._free: list[tuple[KVCache, npt.NDArray[np.int64], int]] = []
         self.made = 0
 
     def grow(self, count: int) -> None:
         count = min(count, self.capacity - self.made)
-        self._free.extend((self._make(), _NONE) for _ in range(count))
+        self._free.extend((self._make(), _NONE, 0) for _ in range(count))
         self.made += count
         if count:
             log.info("KV pool grown by %d to %d caches", count, self.made)
@@ -58,19 +59,23 @@ class KVPool:
         """A free cache for a prompt whose rows up to `ids` may be reused, and how many leading
         rows of it already hold ``ids[:n]``; None when all `capacity` are in use.
 
-        The longest match wins when it covers at least half of the prompt or of that cache's
-        rows (llama-server's slot similarity), or when no cache is spare; otherwise a spare
-        one (holding nothing, or newly made) is taken, so that a conversation's cache is not
-        thrown away for a few shared tokens (a BOS, a template's header)."""
+        The longest match is taken when it covers all of `ids`, or all of the prompt that
+        left the cache (a conversation's next turn: what it loses is that turn's reply as
+        the model wrote it, which the client resent in its own spelling), or at least as
+        many rows as it loses; and when no cache is spare. Otherwise a spare one (holding
+        nothing, or newly made) is taken, so that a conversation's cache is not thrown away
+        for a few shared tokens (a BOS, a template's header)."""
         want = np.asarray(ids, dtype=np.int64)
         best, best_n = -1, 0
         if len(want):
-            for i, (_, held) in enumerate(self._free):
+            for i, (_, held, _) in enumerate(self._free):
                 n = common_prefix(held, want)
                 if n > best_n:
                     best, best_n = i, n
-        if best >= 0 and 2 * best_n >= min(len(want), len(self._free[best][1])):
-            return self._pop(best), best_n
+        if best >= 0:
+            _, held, prompt = self._free[best]
+            if best_n == len(want) or best_n >= prompt or 2 * best_n >= len(held):
+                return self._pop(best), best_n
         spare = self._spare()
         if spare is not None:
             return self._pop(spare), 0
@@ -80,14 +85,15 @@ class KVPool:
             return self._pop(0), 0
         return None
 
-    def give(self, kv: KVCache, tokens: Sequence[int] = ()) -> None:
+    def give(self, kv: KVCache, tokens: Sequence[int] = (), prompt: int = 0) -> None:
         """A cache back to the free list; `tokens` are the ids whose rows it holds from row 0
-        (every one of those rows written in full), or empty when that is not known."""
-        self._free.append((kv, np.asarray(tokens, dtype=np.int64)))
+        (every one of those rows written in full), or empty when that is not known; the
+        first `prompt` of them were its request's prompt."""
+        self._free.append((kv, np.asarray(tokens, dtype=np.int64), prompt))
 
     def _spare(self) -> int | None:
         """Index of a free cache holding nothing, made now if the plan allows one more."""
-        for i, (_, held) in enumerate(self._free):
+        for i, (_, held, _) in enumerate(self._free):
             if not len(held):
                 return i
         if self.made < self.capacity:

@@ -162,10 +162,10 @@ class SessionStore:
         assert got is not None  # the spill gave one back
         return got
 
-    def give_kv(self, kv: KVCache, tokens: Sequence[int] = ()) -> None:
+    def give_kv(self, kv: KVCache, tokens: Sequence[int] = (), prompt: int = 0) -> None:
         """A request's cache back to the pool, with the ids whose rows it holds in full (empty
-        when they are not known, e.g. after a runtime failure)."""
-        self._pool.give(kv, tokens)
+        when they are not known, e.g. after a runtime failure), `prompt` of them its prompt."""
+        self._pool.give(kv, tokens, prompt)
 
     def spill(self, s: Session) -> None:
         """Bound → host (→ disk when the host tier is full or off)."""
