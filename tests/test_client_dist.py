@@ -354,6 +354,7 @@ def test_identity_matches_the_daemon(site: Path) -> None:
 
 
 def test_client_against_a_real_daemon(site: Path, daemon: Daemon) -> None:
+    since = len(daemon.read_log())
     out = run_client(site, SCRIPT, str(daemon.socket), str(LONG))
     assert out["version"] == agent.__version__
     assert out["health"] == out["async_health"] == "SERVING"
@@ -378,5 +379,37 @@ def test_client_against_a_real_daemon(site: Path, daemon: Daemon) -> None:
     assert "robot" in out["bad_role"][1]
     # the daemon stopped both cancelled requests (the only ones) early and freed their slots
     assert out["sync_cancel"]["idle"] == out["async_cancel"]["idle"] == 0, out
-    cut = re.findall(r"request r\d+ cancelled: \d+\+(\d+) tokens", daemon.read_log())
+    cut = re.findall(r"request r\d+ cancelled: \d+\+(\d+) tokens", daemon.read_log()[since:])
     assert len(cut) == 2 and all(int(n) < LONG for n in cut), cut
+
+
+def test_the_docs_example_runs_verbatim(site: Path, daemon: Daemon) -> None:
+    """docs/API.md's "Python client" example, in the client-only interpreter, with this
+    daemon's socket for the default."""
+    doc = (REPO / "docs" / "API.md").read_text()
+    pattern = r"<!-- tested: test_client_dist\.py[^>]*-->\n```python\n(.*?)```"
+    (example,) = re.findall(pattern, doc, re.S)
+    default = "/run/edge-agent/agent.sock"
+    assert default in example
+    prelude = f"SITE = {str(site)!r}\nVENV_SITE = {sysconfig.get_paths()['purelib']!r}\n"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-S",
+            "-c",
+            prelude + GUARD + example.replace(default, str(daemon.socket)),
+        ],
+        cwd=site,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].endswith(" SERVING"), lines
+    # (the streamed text before these has lines of its own)
+    assert re.fullmatch(r"(stop|length) \d+", lines[-5]), lines
+    assert re.fullmatch("[0-9]{3}", lines[-4]), lines
+    assert re.fullmatch(r"[1-9]\d* tokens reused", lines[-3]), lines
+    assert lines[-2] == "cancelled", lines
+    assert lines[-1].startswith("INVALID_ARGUMENT "), lines
