@@ -3,6 +3,7 @@ awaited, and generations iterated with ``async for``."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
@@ -45,9 +46,10 @@ class AsyncGeneration(AsyncIterator[Chunk]):
             if self._cancelled:
                 raise StopAsyncIteration from None
             raise from_rpc_error(exc) from exc
-        except BaseException:
+        except asyncio.CancelledError:
+            # grpc.aio's read of a call we cancelled raises this; anything else is the task's
             self._done = True
-            if self._cancelled:  # grpc.aio raises asyncio.CancelledError on a cancelled call
+            if self._cancelled and self._call.cancelled():
                 raise StopAsyncIteration from None
             raise
         chunk = types.chunk(message)
