@@ -3,6 +3,11 @@ and the engine's values (events, sessions, KV tiers, status, model info) into me
 
 Wire messages become domain values here and never travel inward. The fleet's health report
 takes its KV tiers from here too (`tiers_message`).
+
+Tools map as the HTTP adapter maps OpenAI's (`agent.http.convert`): `tools`, `tool_choice` /
+`tool_name` and the chat's tool fields become the engine's (`agent.engine.toolcalls`); the
+answer of a chat with tools is read whole at its end (`ToolReader`) and the last message
+carries the calls it holds.
 """
 
 from __future__ import annotations
@@ -13,7 +18,16 @@ from agent.engine.chat import ChatMessage, check_messages
 from agent.engine.engine import Engine
 from agent.engine.sampler import SamplingParams
 from agent.engine.stats import ModelInfo
-from agent.engine.types import Constraint, GenerateRequest, SessionInfo, TierStats, TokenEvent
+from agent.engine.toolcalls import Parsed, parse, parse_constrained
+from agent.engine.types import (
+    Constraint,
+    GenerateRequest,
+    SessionInfo,
+    TierStats,
+    TokenEvent,
+    Tool,
+    ToolCall,
+)
 from agent.errors import InvalidRequest
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from agent.status import AgentStatus
@@ -34,7 +48,7 @@ def to_request(
     messages: tuple[ChatMessage, ...] = ()
     prompt = ""
     if which == "chat":
-        messages = tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages)
+        messages = tuple(to_message(i, m) for i, m in enumerate(msg.chat.messages))
         check_messages(messages)
     elif which == "prompt":
         prompt = msg.prompt
@@ -53,6 +67,7 @@ def to_request(
         raise InvalidRequest(
             f"max_tokens = {max_tokens} is above this agent's limit {max_tokens_limit}"
         )
+    tools, choice, name = to_tools(msg)
     return GenerateRequest(
         prompt,
         max_tokens=max_tokens,
@@ -62,7 +77,36 @@ def to_request(
         owner=owner,
         messages=messages,
         constraint=to_constraint(msg) if msg.HasField("constraint") else None,
+        tools=tools,
+        tool_choice=choice,
+        tool_name=name,
     )
+
+
+def to_message(i: int, m: pb.ChatMessage) -> ChatMessage:
+    """One chat message: an assistant's calls, a tool result's call id and function name (each
+    only on the role it belongs to: elsewhere it is a client's mistake, refused)."""
+    if m.tool_calls and m.role != "assistant":
+        raise InvalidRequest(f"messages[{i}]: tool_calls only on an assistant message")
+    if (m.tool_call_id or m.name) and m.role != "tool":
+        raise InvalidRequest(f"messages[{i}]: tool_call_id and name only on a tool message")
+    calls = tuple(ToolCall(c.id, c.name, c.arguments or "{}") for c in m.tool_calls)
+    return ChatMessage(m.role, m.content, calls, m.tool_call_id, m.name)
+
+
+def to_tools(msg: pb.GenerateRequest) -> tuple[tuple[Tool, ...], str, str]:
+    """`tools`, `tool_choice` and `tool_name` as the engine's (which checks them further)."""
+    tools = tuple(
+        Tool(t.name, t.description, t.parameters) if t.parameters else Tool(t.name, t.description)
+        for t in msg.tools
+    )
+    choice = msg.tool_choice or ("function" if msg.tool_name else "auto")
+    if msg.tool_name and choice != "function":
+        raise InvalidRequest(
+            f"tool_name is set but tool_choice is {choice!r}: a named function is "
+            "tool_choice 'function' (or empty)"
+        )
+    return tools, choice, msg.tool_name
 
 
 def to_constraint(msg: pb.GenerateRequest) -> Constraint:
@@ -77,14 +121,54 @@ def to_constraint(msg: pb.GenerateRequest) -> Constraint:
     return Constraint(kind, str(getattr(msg.constraint, kind)))
 
 
-def to_response(event: TokenEvent, request_id: str) -> pb.GenerateResponse:
-    """Domain → wire: one streamed message (the last one with finish reason and stats)."""
+class ToolReader:
+    """The answer of one chat with tools, collected as it streams and read for its calls at
+    its end: constrained (tool_choice required / a function) or in the template's format
+    (auto), as the HTTP adapter reads it."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode  # "constrained" or one of agent.engine.toolcalls.FORMATS
+        self._pieces: list[str] = []
+
+    @staticmethod
+    def of(request: GenerateRequest, engine: Engine) -> ToolReader | None:
+        """The reader a request needs (None: its answer is text: no tools, tool_choice none,
+        or auto on a template whose family has no known format)."""
+        if not request.tools or request.tool_choice == "none":
+            return None
+        if request.tool_choice == "auto":
+            fmt = engine.chat.tool_format
+            return None if fmt == "none" else ToolReader(fmt)
+        return ToolReader("constrained")
+
+    def read(self, event: TokenEvent) -> Parsed | None:
+        """Take one event; at the last, the calls the whole answer holds (None: none, or the
+        answer did not stop by itself)."""
+        self._pieces.append(event.text)
+        if event.finish_reason != "stop":
+            return None
+        text = "".join(self._pieces)
+        found = parse_constrained(text) if self.mode == "constrained" else parse(text, self.mode)
+        return found if found.calls else None
+
+
+def to_response(
+    event: TokenEvent, request_id: str, tools: ToolReader | None = None
+) -> pb.GenerateResponse:
+    """Domain → wire: one streamed message (the last one with finish reason and stats, and
+    with `tools`, the calls the answer holds)."""
     r = pb.GenerateResponse(text=event.text, token_ids=list(event.token_ids))
+    found = tools.read(event) if tools is not None else None
     if event.finish_reason is not None:
         r.finish_reason = FINISH[event.finish_reason]
         r.request_id = request_id
         if event.error:
             r.error = event.error
+        if found is not None:
+            r.tool_calls.extend(
+                pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in found.calls
+            )
+            r.content = found.content or ""
         s = event.stats
         if s is not None:
             r.stats.CopyFrom(

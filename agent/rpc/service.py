@@ -25,6 +25,7 @@ from agent.errors import ERROR_TRAILER, AgentError, InvalidRequest, Overloaded, 
 from agent.metrics import Metrics
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from agent.rpc.convert import (
+    ToolReader,
     model_info_message,
     session_message,
     status_message,
@@ -134,6 +135,7 @@ class AgentService:
             _check(request)
             engine = self._backend.engine()
             domain = to_request(request, engine, self._max_tokens, self.owner(context))
+            tools = ToolReader.of(domain, engine)  # a chat with tools: read its calls at the end
             handle = engine.submit(domain, sink, timeout=context.time_remaining())
         except AgentError as exc:
             log.info("generate refused: %s", exc)
@@ -148,7 +150,7 @@ class AgentService:
                 batch = await pipe.take()
                 handle.consumed(len(batch))
                 event = merge_events(batch)
-                yield to_response(event, handle.id)
+                yield to_response(event, handle.id, tools)
                 if event.finish_reason is not None:
                     return
         finally:
