@@ -208,11 +208,18 @@ def main() -> int:
             f"**HTTP stateless / session: {ratio:.2f}x** the engine's time to first token "
             f"({ratio_client:.2f}x as the clients see it; goal ≤ 1.2x).",
             "",
-            "A stateless turn reuses the longest prefix the shared-prefix cache holds (`cached`)"
-            " and prefills the rest again: the previous reply and the new message; a session "
-            "kept the reply's KV and prefills only the new message. HTTP and gRPC stateless "
-            "cost the engine the same: the gap is the prefix cache's, not the transport's. The "
-            "client's time over HTTP runs to the first chunk with text (SSE chunks carry no "
+            "A stateless turn takes the free KV cache its previous turn left behind, whose "
+            "rows hold that turn's prompt and reply (`cached`: the longest common start with "
+            "the resent conversation), and prefills only the rest: the reply's end as the "
+            "client resent it and the new message; a session prefills only the new message. "
+            "When another request has taken that cache, the shared-prefix cache's whole "
+            "32-token blocks are the fallback. Where `cached` falls a reply short of the "
+            "session's, the chat template renders the resent reply otherwise than the model "
+            "wrote it (the demo's raw `# {system}\\n{user}` template puts a separator before it "
+            "that its generation prompt does not end with), so that reply is prefilled again. "
+            "HTTP and gRPC stateless cost the engine the same tokens. The client's time over "
+            "HTTP runs to the first chunk with text (SSE chunks "
+            "carry no "
             "token ids): on a random-weight model whose first tokens decode to no text, that is "
             "later than the first token.",
         ]
