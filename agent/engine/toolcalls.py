@@ -360,3 +360,19 @@ def parse(text: str, fmt: str) -> Parsed:
     if fmt == "mistral":
         return _mistral(text)
     return _plain(text)
+
+
+def reading_of(request: GenerateRequest, template_format: str) -> str:
+    """How a chat's answer is read for calls, the same for both APIs: "" (it is text: no tools,
+    ``tool_choice`` none, or auto on a template whose family has no known format),
+    "constrained" (required or a named function), or the template's format (auto)."""
+    if not request.tools or request.tool_choice == "none":
+        return ""
+    if request.tool_choice == "auto":
+        return "" if template_format == "none" else template_format
+    return "constrained"
+
+
+def read_answer(text: str, reading: str) -> Parsed:
+    """The calls a whole answer holds when read as `reading` (`reading_of`), and its content."""
+    return parse_constrained(text) if reading == "constrained" else parse(text, reading)

@@ -25,7 +25,7 @@ from typing import Any, Final
 from agent.engine.chat import ChatMessage
 from agent.engine.engine import Engine
 from agent.engine.sampler import SamplingParams
-from agent.engine.toolcalls import parse, parse_constrained
+from agent.engine.toolcalls import read_answer, reading_of
 from agent.engine.types import Constraint, GenerateRequest, RequestStats, Tool, ToolCall
 from agent.http.errors import HttpError
 
@@ -294,16 +294,10 @@ def chat_request(
     messages = _messages(body)
     fields, stream, usage = _common(body, engine, max_tokens_limit, owner)
     tools, choice, name = _tools(body)
-    if not tools or choice == "none":
-        tool_parse = ""  # "none": the tools are shown, the answer is text
-    elif choice == "auto":
-        tool_parse = "" if engine.chat.tool_format == "none" else engine.chat.tool_format
-    else:
-        tool_parse = "constrained"
     request = GenerateRequest(
         "", messages=messages, tools=tools, tool_choice=choice, tool_name=name, **fields
     )
-    return Parsed(request, stream, usage, tool_parse)
+    return Parsed(request, stream, usage, reading_of(request, engine.chat.tool_format))
 
 
 def completion_request(
@@ -370,7 +364,7 @@ def assistant_message(text: str, tool_parse: str, reason: str) -> tuple[dict[str
     with no well-formed call, is plain content."""
     if not tool_parse or reason != "stop":
         return {"role": "assistant", "content": text}, reason
-    found = parse_constrained(text) if tool_parse == "constrained" else parse(text, tool_parse)
+    found = read_answer(text, tool_parse)
     if not found.calls:
         return {"role": "assistant", "content": text}, reason
     calls = [

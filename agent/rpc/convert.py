@@ -18,7 +18,7 @@ from agent.engine.chat import ChatMessage, check_messages
 from agent.engine.engine import Engine
 from agent.engine.sampler import SamplingParams
 from agent.engine.stats import ModelInfo
-from agent.engine.toolcalls import Parsed, parse, parse_constrained
+from agent.engine.toolcalls import Parsed, read_answer, reading_of
 from agent.engine.types import (
     Constraint,
     GenerateRequest,
@@ -134,12 +134,8 @@ class ToolReader:
     def of(request: GenerateRequest, engine: Engine) -> ToolReader | None:
         """The reader a request needs (None: its answer is text: no tools, tool_choice none,
         or auto on a template whose family has no known format)."""
-        if not request.tools or request.tool_choice == "none":
-            return None
-        if request.tool_choice == "auto":
-            fmt = engine.chat.tool_format
-            return None if fmt == "none" else ToolReader(fmt)
-        return ToolReader("constrained")
+        reading = reading_of(request, engine.chat.tool_format)
+        return ToolReader(reading) if reading else None
 
     def read(self, event: TokenEvent) -> Parsed | None:
         """Take one event; at the last, the calls the whole answer holds (None: none, or the
@@ -148,7 +144,7 @@ class ToolReader:
         if event.finish_reason != "stop":
             return None
         text = "".join(self._pieces)
-        found = parse_constrained(text) if self.mode == "constrained" else parse(text, self.mode)
+        found = read_answer(text, self.mode)
         return found if found.calls else None
 
 
