@@ -19,7 +19,7 @@ from agent.engine.constrain import CACHE_ENTRIES, MISSING_EXTRA, ConstraintCompi
 from agent.engine.engine import Engine
 from agent.engine.sampler import Sampler, SamplingParams
 from agent.engine.types import Constraint, GenerateRequest
-from agent.errors import InvalidRequest
+from agent.errors import InvalidRequest, RuntimeFailure
 from agent.runtime.tokenizer import Tokenizer
 from agent.runtime.tokenizer_load import load_tokenizer
 from tests.test_chat import BOOM, make_chat_dir
@@ -77,12 +77,23 @@ def run(engine: Engine, constraint: Constraint | None, **kw):
     return engine.complete(GenerateRequest("The user is", constraint=constraint, **kw))
 
 
+# What each vocabulary can spell: the tiny SentencePiece model has no ``{``, ``[`` or byte
+# fallback (so no JSON object or array at all), but it has ``"`` and letters.
+SCHEMAS = {
+    "bpe": PERSON,
+    "sp": {"anyOf": [{"type": "string", "maxLength": 12}, {"enum": ["self", "def", "return"]}]},
+}
+
+
+@pytest.mark.parametrize("kind", ["sp", "bpe"])
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=lambda s: f"t{s.temperature}")
-def test_json_schema_output_validates_with_jsonschema(bpe: Engine, sampling) -> None:
-    c = run(bpe, Constraint("json_schema", json.dumps(PERSON)), sampling=sampling)
+def test_json_schema_output_validates_with_jsonschema(kind: str, sampling, request) -> None:
+    engine = request.getfixturevalue(kind)
+    schema = SCHEMAS[kind]
+    c = run(engine, Constraint("json_schema", json.dumps(schema)), sampling=sampling)
     assert c.finish_reason == "stop", c.text
-    jsonschema.validate(json.loads(c.text), PERSON)
-    assert c.text == bpe.tokenizer.decode(c.token_ids)
+    jsonschema.validate(json.loads(c.text), schema)
+    assert c.text == engine.tokenizer.decode(c.token_ids)
 
 
 def test_json_object_is_a_json_object(bpe: Engine) -> None:
@@ -95,6 +106,57 @@ def test_json_object_is_a_json_object(bpe: Engine) -> None:
             assert c.finish_reason == "length" and c.text.lstrip().startswith("{")
     c = run(bpe, Constraint("json_schema", json.dumps(schema)), max_tokens=110)
     assert c.finish_reason == "stop" and isinstance(json.loads(c.text), dict), c.text
+
+
+@pytest.mark.parametrize(
+    ("constraint", "missing"),
+    [
+        (Constraint("json_object"), "needs '{' next"),
+        (Constraint("json_schema", json.dumps(PERSON)), "needs '{' next"),
+        (Constraint("json_schema", '{"type": "array", "maxItems": 2}'), "needs '[' next"),
+        (Constraint("regex", r"ab\{c"), "needs '{' next"),
+    ],
+)
+def test_a_grammar_the_vocabulary_cannot_spell_is_refused_naming_the_bytes(
+    sp: Engine, constraint: Constraint, missing: str
+) -> None:
+    """The bug: a ``{`` that no token spells was tokenized as nothing, llguidance took the
+    forced ``{`` as written and allowed the tokens after it (``"``), and the matcher then
+    refused them: every JSON request on this model ended in an error with empty text. Now it
+    is refused before queueing, naming what is missing, and the engine keeps serving."""
+    before = sp.stats().requests_total
+    with pytest.raises(InvalidRequest, match="cannot be written by this model") as err:
+        sp.submit(GenerateRequest("x", constraint=constraint), lambda e: None)
+    assert missing in str(err.value) and "no byte fallback" in str(err.value)
+    assert sp.stats().requests_total == before and sp.stats().queue_depth == 0
+    c = run(sp, Constraint("regex", "(yes|no)"))
+    assert c.finish_reason == "stop" and c.text in ("yes", "no")
+
+
+def test_the_unknown_piece_is_never_grammar_text(sp: Engine) -> None:
+    """SentencePiece's ``<unk>`` renders as `` ⁇ `` but stands for text the vocabulary lacks:
+    a grammar allowing any character must not take it for those three characters."""
+    unk = sp.tokenizer.unk_id
+    assert unk is not None and sp.tokenizer.token_bytes(unk) == " \u2047 ".encode()
+    for constraint in (Constraint("regex", r"(.|\n){1,40}"), Constraint("grammar", "start: /.+/")):
+        grammar = sp._intake.constraints().compile(constraint)
+        state = grammar.start()
+        assert np.isneginf(state.mask(np.zeros(sp.tokenizer.vocab_size, np.float32))[unk])
+        for sampling in SAMPLINGS:
+            c = run(sp, constraint, sampling=sampling, max_tokens=30)
+            assert c.finish_reason in ("stop", "length") and unk not in c.token_ids, c.text
+            assert re.fullmatch(r"(.|\n)+", c.text), c.text
+
+
+def test_a_token_the_mask_forbade_is_an_error_never_applied(sp: Engine) -> None:
+    grammar = sp._intake.constraints().compile(Constraint("regex", "(yes|no)"))
+    state = grammar.start()
+    masked = state.mask(np.zeros(sp.tokenizer.vocab_size, np.float32))
+    forbidden = int(np.flatnonzero(np.isneginf(masked))[0])
+    with pytest.raises(RuntimeFailure, match=f"token {forbidden} was not allowed by the mask"):
+        state.advance(forbidden)
+    with pytest.raises(RuntimeFailure, match="logits of shape"):
+        grammar.start().mask(np.zeros(sp.tokenizer.vocab_size + 8, np.float32))
 
 
 @pytest.mark.parametrize("kind", ["sp", "bpe"])
@@ -312,6 +374,131 @@ def test_sampler_under_a_constraint_on_every_vocabulary_kind(tokenizers, kind: s
             raise AssertionError(f"no end after {ids}")
         text = b"".join(tok.token_bytes(i) for i in ids).decode()
         assert re.fullmatch(pattern, text), text
+
+
+def _finite(masked: np.ndarray) -> list[int]:
+    return [int(i) for i in np.flatnonzero(np.isfinite(masked))]
+
+
+def _sample(tok: Tokenizer, grammar, seed: int, n: int = 300) -> list[int] | None:
+    """The sampler alone on random logits: the ids up to the stop token (None: no stop)."""
+    eos = max(tok.special_ids)
+    rng = np.random.default_rng(seed)
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=seed, constraint=grammar))
+    ids: list[int] = []
+    for _ in range(n):
+        t = sampler(rng.standard_normal(tok.vocab_size).astype(np.float32) * 3)
+        if t == eos:
+            return ids
+        ids.append(t)
+    return None
+
+
+@pytest.mark.parametrize("kind", ["bytelevel", "metaspace", "sentencepiece"])
+def test_json_on_every_vocabulary_kind_validates(tokenizers, kind: str) -> None:
+    """json_schema and json_object through the sampler on byte-level BPE, Metaspace with
+    ``<0xNN>`` fallback and SentencePiece with byte fallback (which spell ``{`` as a byte
+    piece where it has no ``{`` of its own), checked by jsonschema and json."""
+    tok = tokenizers[kind]
+    compiler = ConstraintCompiler(tok, {max(tok.special_ids)})
+    person = compiler.compile(Constraint("json_schema", json.dumps(PERSON)))
+    anything = compiler.compile(Constraint("json_object"))
+    for seed in range(4):
+        ids = _sample(tok, person, seed)
+        assert ids is not None, "PERSON is bounded: it must close"
+        jsonschema.validate(json.loads(b"".join(tok.token_bytes(i) for i in ids)), PERSON)
+        ids = _sample(tok, anything, seed, n=120)
+        if ids is not None:  # json_object is unbounded: random logits may not close it
+            assert isinstance(json.loads(b"".join(tok.token_bytes(i) for i in ids)), dict)
+        first = anything.start().mask(np.zeros(tok.vocab_size, np.float32))
+        assert all(tok.token_bytes(i).lstrip().startswith(b"{") for i in _finite(first))
+
+
+@pytest.fixture(scope="module")
+def sp_kinds(tokenizers, tiny_model_dir) -> dict[str, Tokenizer]:
+    """Both SentencePiece models: the tiny one (no byte fallback, ``<unk>`` for what it
+    lacks) and one with byte fallback."""
+    return {
+        "tiny": load_tokenizer(tiny_model_dir / "tokenizer.model"),
+        "byte_fallback": tokenizers["sentencepiece"],
+    }
+
+
+def _reference(tok: Tokenizer):
+    import sentencepiece as spm
+
+    return spm.SentencePieceProcessor(model_file=str(tok.path))
+
+
+@pytest.mark.parametrize("which", ["tiny", "byte_fallback"])
+def test_every_ids_bytes_are_what_sentencepiece_decodes_in_context(sp_kinds, which) -> None:
+    """For every id, the bytes llguidance is given against sentencepiece's own
+    `id_to_piece`/`decode`: a byte piece is its byte, ``<unk>`` and control pieces are kept
+    out of grammars, and any other piece is what it adds after a plain-letter piece."""
+    from agent.engine.constrain import _Tokens
+
+    tok = sp_kinds[which]
+    ref = _reference(tok)
+    given = _Tokens(tok, max(tok.special_ids)).tokens
+    assert len(given) == tok.vocab_size == ref.get_piece_size()
+    anchor = next(i for i in range(ref.get_piece_size()) if ref.id_to_piece(i).isalpha())
+    for i in range(tok.vocab_size):
+        piece = ref.id_to_piece(i)
+        if ref.is_control(i) or ref.is_unknown(i) or i in tok.special_ids:
+            assert given[i] == b"", (i, piece)
+        elif ref.is_byte(i):
+            assert given[i] == bytes([int(piece[3:5], 16)]), (i, piece)
+        else:
+            after = ref.decode([anchor, i])
+            assert after == ref.decode([anchor]) + given[i].decode(), (i, piece, after)
+    assert (ref.unk_id() in range(tok.vocab_size)) == (tok.unk_id is not None)
+
+
+@pytest.mark.parametrize("which", ["tiny", "byte_fallback"])
+def test_encoded_text_spells_what_sentencepiece_decodes(sp_kinds, which) -> None:
+    """Property: any text, encoded by sentencepiece; our bytes per id, joined, are its decode
+    (the first piece's dummy-prefix space aside)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    tok = sp_kinds[which]
+    ref = _reference(tok)
+
+    @settings(max_examples=150, deadline=None, database=None)
+    @given(st.text(max_size=24))
+    def check(text: str) -> None:
+        ids = ref.encode(text)
+        joined = b"".join(tok.token_bytes(i) for i in ids)
+        want = ref.decode(ids).encode()
+        assert joined in (want, b" " + want), (text, ids, joined, want)
+
+    check()
+
+
+@pytest.mark.parametrize("which", ["tiny", "byte_fallback"])
+def test_the_encoder_llguidance_calls_spells_exactly_or_refuses(sp_kinds, which) -> None:
+    """Property: what llguidance is told for forced bytes is a tokenization that spells them
+    exactly, or `Unspellable`; never fewer bytes (the bug: ``{`` became no tokens at all)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from agent.engine.constrain import Unspellable, _Tokens
+
+    tok = sp_kinds[which]
+    tokens = _Tokens(tok, max(tok.special_ids))
+
+    @settings(max_examples=200, deadline=None, database=None)
+    @given(st.text(alphabet=st.characters(codec="utf-8"), max_size=16))
+    def check(text: str) -> None:
+        try:
+            ids = tokens(text)
+        except Unspellable:
+            assert which == "tiny"  # byte fallback spells every byte
+            return
+        assert b"".join(tokens.tokens[i] for i in ids) == text.encode(), (text, ids)
+        assert all(i not in tokens.special_token_ids for i in ids)
+
+    check()
 
 
 def test_without_llguidance_a_constrained_request_names_the_extra(tiny_model_dir) -> None:

@@ -51,6 +51,10 @@ def _llguidance() -> Any:
     return llguidance
 
 
+class Unspellable(ValueError):
+    """The grammar forces bytes that no sequence of this vocabulary's tokens spells."""
+
+
 class _Tokens:
     """What llguidance's `TokenizerWrapper` reads: every id's bytes, EOS, and an encoder.
 
@@ -60,27 +64,50 @@ class _Tokens:
     a SentencePiece dummy prefix or a Metaspace ``prepend_scheme`` adds a leading ``▁``:
     allowing only that space where ``a`` is forced would end in a dead end. Such text is
     spelled by the longest matching tokens instead.
+
+    Text that no tokens spell at all (a ``{`` in a vocabulary with neither a ``{`` piece nor
+    byte fallback, which the tiny SentencePiece model is) is `Unspellable`: llguidance trusts
+    whatever tokenization it gets, and one that spells less than the forced bytes made it
+    treat them as written and allow tokens of what follows (a ``"`` where ``{`` was forced),
+    which the matcher then refused. The unknown piece is never grammar text: its ``⁇`` is a
+    rendering, not what the model meant, so it is kept out like a special token.
     """
 
     def __init__(self, tokenizer: Tokenizer, eos: int) -> None:
         self._tok = tokenizer
         self.eos_token_id = eos
         self.bos_token_id: int | None = None
-        self.special_token_ids = sorted(tokenizer.special_ids)
-        self.tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
-        special = tokenizer.special_ids
+        unk = tokenizer.unk_id
+        special = tokenizer.special_ids | ({unk} if unk is not None else set())
+        self.special_token_ids = sorted(special)
+        self.tokens = [
+            b"" if i in special else tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)
+        ]
         self._ids: dict[bytes, int] = {}
         for i in reversed(range(len(self.tokens))):  # the lowest id of equal spellings wins
             if self.tokens[i] and i not in special:
                 self._ids[self.tokens[i]] = i
         self._longest = max((len(b) for b in self._ids), default=1)
+        self._failed = threading.local()  # what the last encoding on this thread could not spell
 
     def __call__(self, text: str) -> list[int]:
         data = text.encode("utf-8")
         ids = self._tok.encode(text)
         if b"".join(self.tokens[i] for i in ids) == data:
             return ids
-        return self.greedy(data)
+        ids = self.greedy(data)
+        spelled = sum(len(self.tokens[i]) for i in ids)
+        if spelled != len(data):
+            char = data[spelled : spelled + 4].decode("utf-8", "replace")[:1]
+            self._failed.char = char
+            raise Unspellable(f"no token spells {char!r}")
+        return ids
+
+    def unspellable(self) -> str | None:
+        """The character the last failed encoding on this thread stopped at (then forgotten)."""
+        char: str | None = getattr(self._failed, "char", None)
+        self._failed.char = None
+        return char
 
     def greedy(self, data: bytes) -> list[int]:
         """`data` as the longest tokens that spell it (up to a byte no token holds)."""
@@ -98,51 +125,88 @@ class _Tokens:
         return out
 
 
+def _unspellable_message(char: str) -> str:
+    return (
+        f"the grammar needs {char!r} next, which no token of this model's vocabulary spells "
+        "(it has no such piece and no byte fallback)"
+    )
+
+
 class ConstraintState:
-    """One request's position in its grammar."""
+    """One request's position in its grammar.
 
-    __slots__ = ("_bits", "_matcher", "_np", "_stop", "_vocab")
+    The mask and the applied token always agree: `advance` refuses a token the last mask did
+    not allow (a sampler bug, never a silently wrong token), and the matcher refusing one the
+    mask allowed is an error too, never skipped."""
 
-    def __init__(self, matcher: Any, stop_ids: npt.NDArray[np.intp], vocab: int) -> None:
+    __slots__ = ("_allowed", "_bits", "_matcher", "_np", "_stop", "_tokens", "_vocab")
+
+    def __init__(
+        self, matcher: Any, stop_ids: npt.NDArray[np.intp], vocab: int, tokens: _Tokens
+    ) -> None:
         import llguidance.numpy as llnp
 
         self._np = llnp
         self._matcher = matcher
         self._stop = stop_ids
         self._vocab = vocab
+        self._tokens = tokens
         self._bits = llnp.allocate_token_bitmask(1, vocab)
+        self._allowed: npt.NDArray[np.bool_] | None = None
+
+    def _why(self) -> str:
+        data = self._tokens.unspellable()
+        if data is not None:
+            return _unspellable_message(data)
+        return _one_line(self._matcher.get_error())
 
     def mask(self, logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
         """`logits` with every token the grammar forbids here at -inf (a new array)."""
+        if logits.shape != (self._vocab,):
+            raise RuntimeFailure(
+                f"constraint: logits of shape {logits.shape} for a vocabulary of {self._vocab}"
+            )
         m = self._matcher
         self._np.fill_next_token_bitmask(m, self._bits)
         if m.is_error():
-            raise RuntimeFailure(f"constraint: {m.get_error()}")
+            raise RuntimeFailure(f"constraint: {self._why()}")
         allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self._vocab]
         allowed[self._stop] = m.is_accepting()
         if not allowed.any():
             raise RuntimeFailure("constraint: no token can continue the output")
-        return np.where(allowed.view(np.bool_), logits, np.float32(-np.inf))
+        self._allowed = allowed.view(np.bool_)
+        return np.where(self._allowed, logits, np.float32(-np.inf))
 
     def advance(self, token: int) -> None:
         """The sampler chose `token` (a stop token ends the request: nothing to consume)."""
+        allowed, self._allowed = self._allowed, None
+        if allowed is None or not 0 <= token < self._vocab or not allowed[token]:
+            raise RuntimeFailure(f"constraint: token {token} was not allowed by the mask")
         if token in self._stop:
             return
         if not self._matcher.consume_token(token):
-            raise RuntimeFailure(f"constraint: token {token} refused: {self._matcher.get_error()}")
+            raise RuntimeFailure(f"constraint: token {token} refused: {self._why()}")
 
 
 class CompiledConstraint:
     """A compiled grammar; `start()` gives each request its own matcher."""
 
-    def __init__(self, constraint: Constraint, matcher: Any, stop_ids: Iterable[int], vocab: int):
+    def __init__(
+        self,
+        constraint: Constraint,
+        matcher: Any,
+        stop_ids: Iterable[int],
+        vocab: int,
+        tokens: _Tokens,
+    ) -> None:
         self.constraint = constraint
         self._matcher = matcher
         self._stop = np.array(sorted(stop_ids), dtype=np.intp)
         self._vocab = vocab
+        self._tokens = tokens
 
     def start(self) -> ConstraintState:
-        return ConstraintState(self._matcher.deep_copy(), self._stop, self._vocab)
+        return ConstraintState(self._matcher.deep_copy(), self._stop, self._vocab, self._tokens)
 
 
 def _one_line(message: str, limit: int = 400) -> str:
@@ -194,6 +258,7 @@ class ConstraintCompiler:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], CompiledConstraint] = OrderedDict()
         self._lltok: Any = None
+        self._tokens: _Tokens | None = None
         self.hits = 0
         self.misses = 0
 
@@ -203,7 +268,8 @@ class ConstraintCompiler:
                 raise InvalidRequest(
                     "structured output needs a model with an end-of-sequence token"
                 )
-            wrapped = llg.TokenizerWrapper(_Tokens(self._tokenizer, min(self._stop)))
+            self._tokens = _Tokens(self._tokenizer, min(self._stop))
+            wrapped = llg.TokenizerWrapper(self._tokens)
             self._lltok = llg.LLTokenizer(wrapped, n_vocab=self._tokenizer.vocab_size)
         return self._lltok
 
@@ -220,6 +286,8 @@ class ConstraintCompiler:
         grammar = grammar_text(llg, constraint)
         with self._lock:
             lltok = self._ll_tokenizer(llg)
+            tokens = self._tokens
+        assert tokens is not None
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, lltok)
         if is_error:
             raise InvalidRequest(f"{constraint.kind} is not supported: {_one_line(messages[0])}")
@@ -227,7 +295,16 @@ class ConstraintCompiler:
         if matcher.is_error():
             why = _one_line(matcher.get_error())
             raise InvalidRequest(f"{constraint.kind} is not supported: {why}")
-        compiled = CompiledConstraint(constraint, matcher, self._stop, self._tokenizer.vocab_size)
+        compiled = CompiledConstraint(
+            constraint, matcher, self._stop, self._tokenizer.vocab_size, tokens
+        )
+        try:  # the first mask: a grammar this vocabulary cannot even start is the request's fault
+            compiled.start().mask(np.zeros(self._tokenizer.vocab_size, dtype=np.float32))
+        except RuntimeFailure as exc:
+            why = str(exc).removeprefix("constraint: ")
+            raise InvalidRequest(f"{constraint.kind} cannot be written by this model: {why}") from (
+                exc
+            )
         with self._lock:
             self.misses += 1
             self._cache[key] = compiled

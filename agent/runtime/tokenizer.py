@@ -57,6 +57,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     config: TokenizerConfig
     special_ids: frozenset[int]  # decode to nothing; what `special=True` may produce
+    unk_id: int | None  # a piece standing for text the vocabulary lacks: never grammar text
 
     def encode(self, text: str, *, special: bool = False) -> list[int]:
         """Text → ids, nothing added; special-token text becomes special ids only if `special`."""

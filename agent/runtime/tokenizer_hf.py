@@ -72,6 +72,12 @@ class HFTokenizer:
         self.special_ids = frozenset(
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
         )
+        # BPE and WordPiece name their unknown token, Unigram gives its id
+        unk_name = getattr(self._tok.model, "unk_token", None)
+        unk = self._tok.token_to_id(unk_name) if isinstance(unk_name, str) else None
+        if unk is None and isinstance(getattr(self._tok.model, "unk_id", None), int):
+            unk = int(self._tok.model.unk_id)
+        self.unk_id: int | None = unk
         self._lock = threading.Lock()  # encode_special_tokens is the object's state
         self._bytes: list[bytes] | None = None  # token_bytes, built on first use
 

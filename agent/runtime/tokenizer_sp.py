@@ -59,6 +59,8 @@ class SentencePieceTokenizer:
         }
         self.special_ids = frozenset({i for i in range(self.vocab_size) if sp.is_control(i)} | tags)
         self._bytes = [self._piece_bytes(i) for i in range(self.vocab_size)]
+        unk = int(sp.unk_id())
+        self.unk_id: int | None = unk if 0 <= unk < self.vocab_size and sp.is_unknown(unk) else None
         texts = sorted({sp.id_to_piece(i) for i in self.special_ids}, key=len, reverse=True)
         self._special = re.compile("|".join(re.escape(t) for t in texts if t)) if texts else None
         self._tags = (
