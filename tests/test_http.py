@@ -541,6 +541,39 @@ def test_response_format_is_valid_by_construction(one_slot: tuple[Daemon, Path])
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format.json_schema"
 
 
+def test_response_format_on_the_sentencepiece_tiny_model(sock: Path) -> None:
+    """The same check against the tiny model (SentencePiece, no ``{``/``[`` piece and no byte
+    fallback): a schema its vocabulary spells is valid by construction (jsonschema), and
+    json_object, which it cannot start, is a 400 naming the missing ``{``, not a 200 with an
+    empty "error" answer; the daemon keeps serving."""
+    jsonschema = pytest.importorskip("jsonschema")
+    c = http_client(sock)
+    schema = {"anyOf": [{"type": "string", "maxLength": 12}, {"enum": ["self", "def"]}]}
+    for temperature in (0.0, 1.0):
+        r = c.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "a word:"}],
+            max_tokens=40,
+            temperature=temperature,
+            seed=3,
+            response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+        )
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        jsonschema.validate(json.loads(r.choices[0].message.content or ""), schema)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "a record:"}],
+            max_tokens=20,
+            response_format={"type": "json_object"},
+        )
+    assert err.value.status_code == 400 and "needs '{' next" in str(err.value), err.value
+    after = c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert after.choices[0].finish_reason in ("stop", "length")
+
+
 def test_metrics_count_http_requests(daemon: Daemon, sock: Path) -> None:
     """GET /metrics on the HTTP listener: the Prometheus text parses, and HTTP requests are
     counted by outcome beside gRPC's."""
