@@ -574,6 +574,52 @@ def test_response_format_on_the_sentencepiece_tiny_model(sock: Path) -> None:
     assert after.choices[0].finish_reason in ("stop", "length")
 
 
+def test_response_format_regex_and_grammar_extensions(sock: Path) -> None:
+    """The regex and grammar extensions of response_format: the text is what Python's `re`
+    (outside our code) says the pattern matches — on the SentencePiece tiny model, with the
+    space LiteRT-LM's #3510 could never emit — a Lark grammar's sentence, and a bad pattern is
+    a 400 naming the field while the daemon keeps serving."""
+    c = http_client(sock)
+    pattern = r"[a-z]{1,6} [a-z]{1,6}"
+    for temperature in (0.0, 1.0):
+        r = c.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "two words:"}],
+            max_tokens=30,
+            temperature=temperature,
+            seed=5,
+            extra_body={"response_format": {"type": "regex", "regex": pattern}},
+        )
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        assert re.fullmatch(pattern, r.choices[0].message.content or ""), r.choices[0]
+    r = c.completions.create(
+        model="tiny",
+        prompt="answer:",
+        max_tokens=10,
+        extra_body={"response_format": {"type": "grammar", "grammar": 'start: "yes" | "no"'}},
+    )
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text in ("yes", "no"), r
+    bad = raw(
+        sock,
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "regex", "regex": "[a-"},
+        },
+    )
+    assert bad.status_code == 400 and "regex" in bad.text, bad.text
+    missing = raw(
+        sock,
+        "POST",
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "regex"}},
+    )
+    assert missing.status_code == 400
+    assert missing.json()["error"]["param"] == "response_format.regex", missing.text
+    assert c.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0].text is not None
+
+
 def test_metrics_count_http_requests(daemon: Daemon, sock: Path) -> None:
     """GET /metrics on the HTTP listener: the Prometheus text parses, and HTTP requests are
     counted by outcome beside gRPC's."""

@@ -209,7 +209,9 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
 
 def _constraint(body: Mapping[str, Any]) -> Constraint | None:
     """`response_format` → the engine's Constraint (structured output, `agent.engine.constrain`):
-    {"type": "text"} is no constraint; json_object and json_schema are; anything else is a 400."""
+    {"type": "text"} is no constraint; json_object and json_schema are, and regex and grammar
+    (extensions: {"type": "regex", "regex": "..."}, {"type": "grammar", "grammar": "<Lark>"});
+    anything else is a 400."""
     rf = body.get("response_format")
     if rf is None:
         return None
@@ -228,9 +230,14 @@ def _constraint(body: Mapping[str, Any]) -> Constraint | None:
                 "response_format.json_schema must be an object with a schema object",
             )
         return Constraint("json_schema", json.dumps(spec.get("schema", {})))
+    if kind in ("regex", "grammar"):  # an extension, as gRPC's Constraint has them
+        text = rf.get(kind)
+        if not isinstance(text, str) or not text:
+            raise _bad(f"response_format.{kind}", f"response_format.{kind} must be a string")
+        return Constraint(kind, text)
     raise _bad(
         "response_format.type",
-        f"response_format.type = {kind!r}; allowed: text, json_object, json_schema",
+        f"response_format.type = {kind!r}; allowed: text, json_object, json_schema, regex, grammar",
     )
 
 
