@@ -8,7 +8,6 @@ a socket is never removed; a bad path or model is one line and exit 2 with nothi
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import os
@@ -349,59 +348,77 @@ def test_tcp_port_0_binds_an_ephemeral_port_and_says_which(
         assert d.stop() == 0, d.read_log()
 
 
-async def _reflect_v1(path: Path, requests: list[object]) -> list[object]:
-    """grpc.reflection.v1 through grpclib (its own HTTP/2 client and its own v1 protos)."""
-    from grpclib.client import Channel
-    from grpclib.reflection.v1.reflection_grpc import ServerReflectionStub
+# grpc.reflection.v1 through grpclib (its own HTTP/2 client and its own v1 protos), in a fresh
+# interpreter: grpclib's v1 protos and grpcio-reflection's define the same symbols, and one
+# process's default descriptor pool takes only one of them (an in-process daemon of another
+# test registers grpcio's). It prints what the daemon answered as base64 descriptor bytes.
+_REFLECT_V1 = """
+import asyncio, base64, json, sys
+from grpclib.client import Channel
+from grpclib.reflection.v1 import reflection_pb2 as v1
+from grpclib.reflection.v1.reflection_grpc import ServerReflectionStub
 
-    channel = Channel(path=str(path))
+async def main(path):
+    channel = Channel(path=path)
     try:
         stub = ServerReflectionStub(channel)
         async with stub.ServerReflectionInfo.open() as stream:
             replies = []
-            for r in requests:
-                await stream.send_message(r)
-                replies.append(await stream.recv_message())
-            await stream.end()
-            return replies
-    finally:
-        channel.close()
-
-
-def test_reflection_v1_lists_and_describes_the_services(first: Daemon) -> None:
-    from google.protobuf import descriptor_pb2
-    from grpclib.reflection.v1 import reflection_pb2 as v1
-
-    replies = asyncio.run(
-        _reflect_v1(
-            first.socket,
-            [
+            for r in [
                 v1.ServerReflectionRequest(list_services=""),
                 v1.ServerReflectionRequest(file_containing_symbol="edge_agent.v1.Agent"),
                 v1.ServerReflectionRequest(
                     file_containing_symbol="grpc.reflection.v1.ServerReflection"
                 ),
-            ],
-        )
+            ]:
+                await stream.send_message(r)
+                replies.append(await stream.recv_message())
+            await stream.end()
+    finally:
+        channel.close()
+    files = lambda r: [base64.b64encode(b).decode() for b in
+                       r.file_descriptor_response.file_descriptor_proto]
+    print(json.dumps({
+        "listed": [s.name for s in replies[0].list_services_response.service],
+        "agent": files(replies[1]),
+        "reflection": files(replies[2]),
+        "reference": base64.b64encode(v1.DESCRIPTOR.serialized_pb).decode(),
+    }))
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_reflection_v1_lists_and_describes_the_services(first: Daemon) -> None:
+    import base64
+
+    from google.protobuf import descriptor_pb2
+
+    done = subprocess.run(
+        [sys.executable, "-c", _REFLECT_V1, str(first.socket)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
-    listed = {s.name for s in replies[0].list_services_response.service}  # type: ignore[attr-defined]
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
     assert {
         "edge_agent.v1.Agent",
         "grpc.health.v1.Health",
         "grpc.reflection.v1.ServerReflection",
         "grpc.reflection.v1alpha.ServerReflection",
-    } <= listed
+    } <= set(got["listed"])
 
-    def files(reply: object) -> list[descriptor_pb2.FileDescriptorProto]:
-        raw = reply.file_descriptor_response.file_descriptor_proto  # type: ignore[attr-defined]
-        return [descriptor_pb2.FileDescriptorProto.FromString(b) for b in raw]
+    def files(key: str) -> list[descriptor_pb2.FileDescriptorProto]:
+        return [
+            descriptor_pb2.FileDescriptorProto.FromString(base64.b64decode(b)) for b in got[key]
+        ]
 
-    agent = [f for f in files(replies[1]) if f.package == "edge_agent.v1"]
+    agent = [f for f in files("agent") if f.package == "edge_agent.v1"]
     assert agent and "Agent" in {s.name for f in agent for s in f.service}
     # the v1 file the daemon serves is grpc's v1 protocol as grpclib ships it, field for field
-    served = next(f for f in files(replies[2]) if f.package == "grpc.reflection.v1")
-    reference = descriptor_pb2.FileDescriptorProto()
-    v1.DESCRIPTOR.CopyToProto(reference)
+    served = next(f for f in files("reflection") if f.package == "grpc.reflection.v1")
+    reference = descriptor_pb2.FileDescriptorProto.FromString(base64.b64decode(got["reference"]))
 
     def shape(f: descriptor_pb2.FileDescriptorProto) -> object:
         return (
