@@ -231,6 +231,13 @@ def test_export_options_are_checked() -> None:
     with pytest.raises(ValueError):
         ExportOptions(prefill_lens=(2048,), kv_max=1024)
     assert ExportOptions(prefill_lens=(128, 32, 32)).prefill_lens == (32, 128)
+    with pytest.raises(ValueError, match="verify lengths"):
+        ExportOptions(prefill_lens=(8,), verify_lens=(16,))  # longer than the shortest prefill
+    with pytest.raises(ValueError, match="verify lengths"):
+        ExportOptions(verify_lens=(1,))  # decode already is one token
+    opts = ExportOptions(prefill_lens=(32,), verify_lens=(8, 4, 4))
+    assert opts.verify_lens == (4, 8)
+    assert opts.tag().endswith("_v4_v8") and "_v" not in ExportOptions().tag()
 
 
 def test_code_tokenizer_keeps_indentation(tmp_path: Path) -> None:

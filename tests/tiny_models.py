@@ -119,6 +119,7 @@ class TinyModelFactory:
         seed: int = 0,
         enable_hlfb: bool = True,
         decode_windows: Sequence[int] = (),
+        verify_lens: Sequence[int] = (),
     ) -> Path:
         if LEGACY:
             kwargs = {
@@ -130,6 +131,7 @@ class TinyModelFactory:
                 "seed": seed,
                 "enable_hlfb": False,
                 "decode_windows": list(decode_windows),
+                "verify_lens": list(verify_lens),
             }
             return _build_elsewhere(self.root, "__call__", kwargs)
         from agent.toolchain.config import TINY_SPEC
@@ -143,6 +145,7 @@ class TinyModelFactory:
             mask_as_input=mask_as_input,
             enable_hlfb=enable_hlfb,
             decode_windows=tuple(decode_windows),
+            verify_lens=tuple(verify_lens),
         )
         stem = f"tiny_{opts.tag()}_s{seed}"
         target = self.root / f"{stem}_{quantization}.tflite"
@@ -161,6 +164,7 @@ class TinyModelFactory:
                     seed=seed,
                     enable_hlfb=enable_hlfb,
                     decode_windows=opts.decode_windows,
+                    verify_lens=opts.verify_lens,
                 )
                 assert made == fp32, (made, fp32)
             if quantization != "fp32":
@@ -201,6 +205,7 @@ class TinyModelFactory:
         version: str = "0.0.1",
         enable_hlfb: bool = True,
         decode_windows: Sequence[int] = (),
+        verify_lens: Sequence[int] = (),
     ) -> Path:
         """A model directory (``model_<quant>.tflite`` files, tokenizer, metadata.json).
 
@@ -219,6 +224,7 @@ class TinyModelFactory:
                 "version": version,
                 "enable_hlfb": False,
                 "decode_windows": list(decode_windows),
+                "verify_lens": list(verify_lens),
             }
             return _build_elsewhere(self.root, "model_dir", kwargs)
         from agent.modeldir import write_model_dir_metadata
@@ -237,6 +243,7 @@ class TinyModelFactory:
                     version,
                     *(() if enable_hlfb else ("unfused",)),
                     *((tuple(decode_windows),) if decode_windows else ()),
+                    *((("verify", *verify_lens),) if verify_lens else ()),
                 )
             ).encode()
         ).hexdigest()[:10]
@@ -254,6 +261,7 @@ class TinyModelFactory:
                 seed=seed,
                 enable_hlfb=enable_hlfb,
                 decode_windows=decode_windows,
+                verify_lens=verify_lens,
             )
             files.append((f"model_{q}.tflite", q, src))
         tok = self.tokenizer()

@@ -6,6 +6,13 @@ The output is what litert-torch's generative converter writes: one file with
 and the externalized KV cache ``kv_cache_k_<i>`` / ``kv_cache_v_<i>`` (float32, in and out).
 ``decode`` also outputs ``logits`` [1,1,vocab].
 
+Verify signatures (``verify_lens``): ``verify_<N>`` is a prefill-shaped signature of N tokens
+that also outputs ``logits`` [1, N, vocab], one row per position (litert-torch's
+``output_logits_on_prefill`` switch, on that signature only), with the KV rows written in place
+as prefill writes them: what speculative decoding checks N-1 drafted tokens with in one pass
+over the weights (the shape LiteRT-LM's multi-token-prediction path asks of a base model).
+With KV windows each window gets ``kv<L>_verify_<N>`` too.
+
 KV layouts: ``default`` gives K and V [1, kv_max, kv_heads, head_dim]; ``transposed`` gives
 K [1, kv_heads, kv_max, head_dim] and V [1, kv_heads, head_dim, kv_max] (the layout
 LiteRT-LM expects, and faster).
@@ -48,6 +55,7 @@ class ExportOptions:
     enable_hlfb: bool = True
     output_logits_on_prefill: bool = False
     decode_windows: tuple[int, ...] = ()  # shorter KV lengths exported beside kv_max
+    verify_lens: tuple[int, ...] = ()  # verify_<N> signatures: N tokens in, N logits rows out
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -63,6 +71,14 @@ class ExportOptions:
         if any(w < 2 or w >= self.kv_max for w in windows):
             raise ValueError(f"decode windows {windows} must be in 2..kv_max-1 ({self.kv_max - 1})")
         object.__setattr__(self, "decode_windows", windows)
+        verify = tuple(sorted(set(self.verify_lens)))
+        # no longer than the shortest prefill: a verify call is a short prefill with logits
+        if any(n < 2 or n > self.prefill_lens[0] for n in verify):
+            raise ValueError(
+                f"verify lengths {verify} must be in 2..{self.prefill_lens[0]} (at most the "
+                "shortest prefill length)"
+            )
+        object.__setattr__(self, "verify_lens", verify)
 
     def window_prefill_lens(self, window: int) -> tuple[int, ...]:
         """The prefill lengths exported for one KV window: those shorter than it."""
@@ -72,9 +88,10 @@ class ExportOptions:
         """A short, file-name-safe description (used by caches)."""
         p = "-".join(str(n) for n in self.prefill_lens)
         w = "".join(f"_w{n}" for n in self.decode_windows)
+        v = "".join(f"_v{n}" for n in self.verify_lens)
         return (
             f"{self.layout[0]}_p{p}_kv{self.kv_max}_m{int(self.mask_as_input)}"
-            f"_h{int(self.enable_hlfb)}_l{int(self.output_logits_on_prefill)}{w}"
+            f"_h{int(self.enable_hlfb)}_l{int(self.output_logits_on_prefill)}{w}{v}"
         )
 
 
@@ -175,12 +192,12 @@ def convert_fp32(model, spec: DecoderSpec, opts: ExportOptions, out_path: Path) 
         f"[toolchain] converting {spec.num_layers}x{spec.embedding_dim} decoder "
         f"({opts.layout} KV, kv_max {opts.kv_max}, prefill {list(opts.prefill_lens)}, "
         f"mask_as_input={opts.mask_as_input}, composites={opts.enable_hlfb}, "
-        f"KV windows {list(opts.decode_windows)}) ...",
+        f"KV windows {list(opts.decode_windows)}, verify {list(opts.verify_lens)}) ...",
         flush=True,
     )
     with tempfile.TemporaryDirectory(dir=out_path.parent, prefix=".convert-") as tmp:
-        if opts.decode_windows:
-            written = _convert_windows(model, opts, tmp)
+        if opts.decode_windows or opts.verify_lens:
+            written = _convert_sets(model, opts, tmp)
         else:
             written = converter.convert_to_tflite(
                 model,
@@ -201,18 +218,24 @@ def convert_fp32(model, spec: DecoderSpec, opts: ExportOptions, out_path: Path) 
     return out_path
 
 
-def _convert_windows(model, opts: ExportOptions, tmp: str) -> str:
-    """`converter.convert_to_tflite` with one more set of signatures per KV window.
+def _convert_sets(model, opts: ExportOptions, tmp: str) -> str:
+    """`converter.convert_to_tflite` with one more set of signatures per KV window, and the
+    verify signatures of each set.
 
     One converter, one module: the signatures share the weights in the written file.
     """
+    import dataclasses
+
     import torch
     from litert_torch._convert import interface as converter_utils
+    from litert_torch.generative.layers import kv_cache as kv_utils
     from litert_torch.generative.utilities import converter
 
     torch._dynamo.config.cache_size_limit = 64  # as convert_to_tflite sets it
     conv = converter_utils.Converter()
     ec = _export_config(opts)
+    verify_ec = dataclasses.replace(ec, output_logits_on_prefill=True)
+    verify_mod = converter.ExportableModule(model, export_config=verify_ec).eval()
     sets = [("", opts.prefill_lens, opts.kv_max)]
     sets += [(f"kv{w}_", opts.window_prefill_lens(w), w) for w in opts.decode_windows]
     for prefix, lens, kv_len in sets:
@@ -229,7 +252,19 @@ def _convert_windows(model, opts: ExportOptions, tmp: str) -> str:
             ec,
             signature_prefix=prefix,
         )
-    out = os.path.join(tmp, "model_windows.tflite")
+        kv = kv_utils.KVCache.from_model_config(
+            kv_len, model.config, kv_layout=verify_ec.kvcache_layout
+        )
+        for n in opts.verify_lens:
+            sample = {
+                "tokens": torch.zeros((1, n), dtype=torch.int),
+                "input_pos": torch.arange(0, n, dtype=torch.int),
+                "kv_cache": kv,
+            }
+            if opts.mask_as_input:
+                sample["mask"] = converter._build_mask(n, kv_len, model.config.causal_mask_value)
+            conv.add_signature(f"{prefix}verify_{n}", verify_mod, sample_kwargs=sample)
+    out = os.path.join(tmp, "model_sets.tflite")
     conv.convert(quant_config=converter.get_quant_recipe_from_flag("none", model.config)).export(
         out
     )
@@ -295,6 +330,7 @@ def export_tiny(
     enable_hlfb: bool = True,
     spec: DecoderSpec = TINY_SPEC,
     decode_windows: Sequence[int] = (),
+    verify_lens: Sequence[int] = (),
 ) -> Path:
     """Convert a tiny random-weight decoder (`TINY_SPEC`: 2 layers, dim 128, vocab 256).
 
@@ -308,6 +344,7 @@ def export_tiny(
         mask_as_input=mask_as_input,
         enable_hlfb=enable_hlfb,
         decode_windows=tuple(decode_windows),
+        verify_lens=tuple(verify_lens),
     )
     out_dir = Path(out_dir)
     prefix = f"tiny_{opts.tag()}_s{seed}"
