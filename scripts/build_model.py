@@ -84,6 +84,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     conv.add_argument(
         "--quant", action="append", choices=QUANTIZATIONS, help="quantization (repeatable)"
     )
+    conv.add_argument(
+        "--verify",
+        type=int,
+        action="append",
+        metavar="N",
+        help="add a verify_<N> signature (N tokens in, logits for each out) for speculative "
+        "decoding; repeatable",
+    )
     conv.add_argument("--keep-fp32", action="store_true", help="keep the float file")
     out = ap.add_argument_group("model directory")
     out.add_argument("--out", type=Path, required=True)
@@ -142,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         mask_as_input=args.mask_as_input,
         enable_hlfb=not args.no_composites,
         decode_windows=tuple(args.window or ()),
+        verify_lens=tuple(args.verify or ()),
     )
     quants = list(dict.fromkeys(args.quant or ["int8"]))
     print(f"[build_model] {spec.param_count():,} parameters, {spec.to_dict()}", flush=True)

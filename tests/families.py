@@ -436,12 +436,69 @@ class FamilyFactory:
         return d
 
 
-def _build_one(root: Path, combo: Combo) -> str:
-    factory = FamilyFactory(root)
+# ------------------------------------------------------------------- verify signatures
+
+#: speculative decoding's verify signatures (`agent.toolchain.export.add_verify_signatures`):
+#: one combo per family (transposed KV, two KV heads) gets them, in a separate conversion
+VERIFY = (4,)
+VERIFY_COMBOS: tuple[Combo, ...] = tuple(Combo(f.name, "transposed", 2) for f in FAMILIES)
+
+
+def convert_verify(combo: Combo, out: Path) -> float:
+    """`convert`, plus ``verify_<N>`` for N in `VERIFY` in the same converter (the signatures
+    share the weights); returns the seconds it took."""
+    import torch
+    from litert_torch._convert import interface as converter_utils
+    from litert_torch.generative.utilities import converter
+
+    from agent.toolchain.export import add_verify_signatures
+
+    family = BY_NAME[combo.family]
+    model = build_torch_model(family, combo.kv_heads)
+    ec = export_config(family, combo.layout)
+    t0 = time.monotonic()
+    torch._dynamo.config.cache_size_limit = 64  # as convert_to_tflite sets it
+    conv = converter_utils.Converter()
+    # a private helper of the pinned litert-torch, as agent.toolchain.export uses it
+    converter._add_signatures(conv, model, list(PREFILL), KV_MAX, None, 0, model.config, [None], ec)
+    add_verify_signatures(conv, model, ec, VERIFY, KV_MAX)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}")
+    conv.convert(quant_config=converter.get_quant_recipe_from_flag("none", model.config)).export(
+        str(tmp)
+    )
+    os.replace(tmp, out)
+    torch._dynamo.reset()
+    return time.monotonic() - t0
+
+
+class VerifyFamilyFactory(FamilyFactory):
+    """`FamilyFactory` for the files with verify signatures, in a directory of their own
+    (under the matrix's root, named after the code that converts them)."""
+
+    def __init__(self, root: Path) -> None:
+        import inspect
+
+        from agent.toolchain import export
+
+        h = hashlib.sha256(inspect.getsource(convert_verify).encode())
+        h.update(inspect.getsource(export.add_verify_signatures).encode())
+        h.update(repr(VERIFY).encode())
+        super().__init__(Path(root) / f"verify-{h.hexdigest()[:8]}")
+
+    def __call__(self, combo: Combo, quantization: str = "fp32") -> Path:
+        fp32 = self.path(combo, "fp32")
+        if not fp32.exists():
+            seconds = convert_verify(combo, fp32)
+            print(f"[families] converted {fp32.name} (verify) in {seconds:.1f}s", flush=True)
+        return super().__call__(combo, quantization)
+
+
+def _build_one(root: Path, combo: Combo, verify: bool = False) -> str:
+    factory = (VerifyFamilyFactory if verify else FamilyFactory)(root)
     t0 = time.monotonic()
     for q in ("fp32", *QUANTIZATIONS):
         factory(combo, q)
-    return f"{combo.id} ready in {time.monotonic() - t0:.1f}s"
+    return f"{combo.id}{' (verify)' if verify else ''} ready in {time.monotonic() - t0:.1f}s"
 
 
 def _build_converter_check(root: Path, quantization: str) -> str:
@@ -470,6 +527,12 @@ def prebuild(
         if converter_check:
             futures += [pool.submit(_build_converter_check, root, q) for q in QUANTIZATIONS]
         futures += [pool.submit(_build_one, root, c) for c in todo]
+        verify = VerifyFamilyFactory(root)
+        futures += [
+            pool.submit(_build_one, root, c, True)
+            for c in VERIFY_COMBOS
+            if c in combos and not all(verify.path(c, q).exists() for q in wanted)
+        ]
         for f in futures:
             print("[families]", f.result(), flush=True)
     print(f"[families] {len(futures)} builds in {time.monotonic() - t0:.0f}s", flush=True)
@@ -491,8 +554,10 @@ if __name__ == "__main__":  # python -m tests.families [FAMILY|COMBO-ID ...]
 __all__: Sequence[str] = (
     "COMBOS",
     "FAMILIES",
+    "VERIFY_COMBOS",
     "Combo",
     "Family",
     "FamilyFactory",
+    "VerifyFamilyFactory",
     "cache_root",
 )

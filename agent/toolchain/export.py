@@ -218,24 +218,46 @@ def convert_fp32(model, spec: DecoderSpec, opts: ExportOptions, out_path: Path) 
     return out_path
 
 
+def add_verify_signatures(
+    conv, model, export_config, lengths: Sequence[int], kv_len: int, prefix: str = ""
+) -> None:
+    """Add ``<prefix>verify_<N>`` for each N in `lengths` to litert-torch converter `conv`:
+    `model` traced like a prefill of N tokens over a KV cache of `kv_len` rows, with
+    ``output_logits_on_prefill`` on for these signatures only (logits [1, N, vocab])."""
+    import dataclasses
+
+    import torch
+    from litert_torch.generative.layers import kv_cache as kv_utils
+    from litert_torch.generative.utilities import converter
+
+    ec = dataclasses.replace(export_config, output_logits_on_prefill=True)
+    mod = converter.ExportableModule(model, export_config=ec).eval()
+    kv = kv_utils.KVCache.from_model_config(kv_len, model.config, kv_layout=ec.kvcache_layout)
+    for n in lengths:
+        sample = {
+            "tokens": torch.zeros((1, n), dtype=torch.int),
+            "input_pos": torch.arange(0, n, dtype=torch.int),
+            "kv_cache": kv,
+        }
+        if ec.mask_as_input:
+            # a private helper of the pinned litert-torch, as the prefill signatures use it
+            sample["mask"] = converter._build_mask(n, kv_len, model.config.causal_mask_value)
+        conv.add_signature(f"{prefix}verify_{n}", mod, sample_kwargs=sample)
+
+
 def _convert_sets(model, opts: ExportOptions, tmp: str) -> str:
     """`converter.convert_to_tflite` with one more set of signatures per KV window, and the
     verify signatures of each set.
 
     One converter, one module: the signatures share the weights in the written file.
     """
-    import dataclasses
-
     import torch
     from litert_torch._convert import interface as converter_utils
-    from litert_torch.generative.layers import kv_cache as kv_utils
     from litert_torch.generative.utilities import converter
 
     torch._dynamo.config.cache_size_limit = 64  # as convert_to_tflite sets it
     conv = converter_utils.Converter()
     ec = _export_config(opts)
-    verify_ec = dataclasses.replace(ec, output_logits_on_prefill=True)
-    verify_mod = converter.ExportableModule(model, export_config=verify_ec).eval()
     sets = [("", opts.prefill_lens, opts.kv_max)]
     sets += [(f"kv{w}_", opts.window_prefill_lens(w), w) for w in opts.decode_windows]
     for prefix, lens, kv_len in sets:
@@ -252,18 +274,7 @@ def _convert_sets(model, opts: ExportOptions, tmp: str) -> str:
             ec,
             signature_prefix=prefix,
         )
-        kv = kv_utils.KVCache.from_model_config(
-            kv_len, model.config, kv_layout=verify_ec.kvcache_layout
-        )
-        for n in opts.verify_lens:
-            sample = {
-                "tokens": torch.zeros((1, n), dtype=torch.int),
-                "input_pos": torch.arange(0, n, dtype=torch.int),
-                "kv_cache": kv,
-            }
-            if opts.mask_as_input:
-                sample["mask"] = converter._build_mask(n, kv_len, model.config.causal_mask_value)
-            conv.add_signature(f"{prefix}verify_{n}", verify_mod, sample_kwargs=sample)
+        add_verify_signatures(conv, model, ec, opts.verify_lens, kv_len, prefix)
     out = os.path.join(tmp, "model_sets.tflite")
     conv.convert(quant_config=converter.get_quant_recipe_from_flag("none", model.config)).export(
         out
@@ -369,6 +380,7 @@ def copy_into(src: Path, dst_dir: Path, name: str | None = None) -> Path:
 __all__ = [
     "LAYOUTS",
     "ExportOptions",
+    "add_verify_signatures",
     "build_torch_model",
     "convert_fp32",
     "export_tiny",
