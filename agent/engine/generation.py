@@ -11,7 +11,9 @@ import time
 from collections.abc import Sequence
 
 from agent.engine.sampler import Sampler
+from agent.engine.speculation import Speculator
 from agent.engine.types import RequestStats, TokenEvent
+from agent.errors import NonFiniteLogits
 from agent.runtime.runner import KVCache, Runner
 from agent.runtime.tokenizer import DetokenizeStream
 
@@ -67,6 +69,7 @@ class Generation:
         cancel: threading.Event | None = None,
         deadline: float | None = None,
         queued_at: float | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self._runner = runner
         self._kv = kv
@@ -95,6 +98,7 @@ class Generation:
         self._cached = cached_tokens
         self._prefix_tokens = prefix_tokens  # prompt tokens already in the KV (prefix cache)
         self._truncated = truncated_tokens
+        self._spec = speculator  # None: plain decoding only
 
     @property
     def kv_rows(self) -> int:
@@ -125,7 +129,71 @@ class Generation:
             self._prefilled += n
             self._pos += n
             return []
+        if self._spec is not None:
+            events = self._speculate(self._spec)
+            if events is not None:
+                return events
         return self._decode_one()
+
+    def _speculate(self, spec: Speculator) -> list[TokenEvent] | None:
+        """One verify call of the last token and the drafted ones; None: decode plainly (no
+        draft, the policy declined, or no verify signature fits here).
+
+        Each row is sampled in order with the request's own sampler, exactly as plain decoding
+        samples that position (same RNG draws, the grammar advancing on each emitted token);
+        a draft holds while it equals the sampled token, and the first that does not ends the
+        block with the sampled token. Stops, max_tokens and the context end are checked after
+        every token as plain decoding checks them: nothing after them is emitted, and the next
+        row to write is the position after the last emitted token (rows past it are junk the
+        next call overwrites). Non-finite logits in a later row end the block before it, so
+        the tokens before it are emitted and the next step raises at that row, as plain
+        decoding does."""
+        budget = min(self._max_tokens - len(self.generated), self._context - self._pos) - 1
+        drafts = spec.propose(self._kv, self.generated, budget)
+        if not drafts:
+            return None
+        logits = self._runner.verify(self._kv, [self._next_input, *drafts], self._pos)
+        if logits is None:
+            return None
+        ids: list[int] = []
+        text = ""
+        accepted = checked = 0
+        end: tuple[str, bool] | None = None  # finish reason, and whether to flush held text
+        for i in range(len(drafts) + 1):
+            try:
+                token = self._sampler(logits[i, : self._vocab])
+            except NonFiniteLogits:
+                if i == 0:
+                    raise
+                break  # emit what came before, as plain decoding would; the next step raises
+            if self._t_first is None:
+                self._t_first = time.perf_counter()
+            self._pos += 1
+            hit = False
+            if i < len(drafts):
+                checked += 1
+                hit = token == drafts[i]
+                accepted += hit
+            if token in self._stop_ids:
+                end = ("stop", True)
+                break
+            self.generated.append(token)
+            self._next_input = token
+            ids.append(token)
+            piece, stopped = self._stop.feed(self._detok.push(token))
+            text += piece
+            if stopped:
+                end = ("stop", False)
+                break
+            if len(self.generated) >= self._max_tokens or self._pos >= self._context:
+                end = ("length", True)
+                break
+            if not hit:
+                break
+        spec.record(len(drafts), checked, accepted)
+        if end is not None:
+            return [self._finish(end[0], text, tuple(ids), flush=end[1])]
+        return [TokenEvent(text, tuple(ids))]
 
     def _decode_one(self) -> list[TokenEvent]:
         logits = self._runner.decode(self._kv, self._next_input, self._pos)
@@ -172,6 +240,7 @@ class Generation:
         decode_s = end - first
         n = len(self.generated)
         prompt = len(self._prompt) + self._prefix_tokens
+        spec = self._spec
         return RequestStats(
             prompt_tokens=prompt,
             generated_tokens=n,
@@ -188,4 +257,7 @@ class Generation:
             queue_ms=(t0 - self._queued_at) * 1e3 if self._queued_at is not None else 0.0,
             cached_tokens=self._cached,
             truncated_tokens=self._truncated,
+            drafted_tokens=spec.drafted if spec is not None else 0,
+            accepted_tokens=spec.accepted if spec is not None else 0,
+            verify_calls=spec.verify_calls if spec is not None else 0,
         )

@@ -14,6 +14,7 @@ from agent.engine.request import Prepared, RequestHandle
 from agent.engine.sampler import SamplingParams
 from agent.engine.session import fit_context
 from agent.engine.sessions import SessionStore
+from agent.engine.speculation import speculation_mode
 from agent.engine.stats import ModelInfo
 from agent.engine.toolcalls import request_constraint
 from agent.engine.types import GenerateRequest
@@ -111,13 +112,17 @@ class Intake:
         for s in request.stop:
             if not s:
                 raise InvalidRequest("stop sequences must not be empty")
+        speculation = speculation_mode(request.speculation, gen.speculation)
         deadline = None if timeout is None else time.monotonic() + timeout
         if request.session_id is None:
             ids = self.encode_prompt(request)
             if request.max_tokens is not None and len(ids) + max_tokens > self.info.context_length:
                 raise ContextOverflow(len(ids), self.info.context_length, max_tokens)
-            return Prepared(handle, ids, max_tokens, sampling, request.stop, deadline)
-        return self._prepare_turn(request, handle, max_tokens, sampling, deadline)
+            p = Prepared(handle, ids, max_tokens, sampling, request.stop, deadline)
+        else:
+            p = self._prepare_turn(request, handle, max_tokens, sampling, deadline)
+        p.speculation = speculation
+        return p
 
     def _prepare_turn(
         self,

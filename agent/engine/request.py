@@ -64,3 +64,4 @@ class Prepared:
     kv: KVCache | None = None
     truncated: int = 0  # history tokens a truncate policy dropped for this turn
     cached: int = 0  # prompt tokens whose KV came from the prefix cache
+    speculation: str = "off"  # the request's, checked (agent.engine.speculation)

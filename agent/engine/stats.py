@@ -60,6 +60,9 @@ class EngineStats:
     decode_tok_s: Percentiles
     heartbeat_age_s: float
     nonfinite_logits: int = 0  # requests ended because the model gave NaN/inf logits
+    # speculative decoding, over every finished request: drafts verified, drafts accepted
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 def _percentiles(values: deque[float]) -> Percentiles:
@@ -81,6 +84,8 @@ class Tally:
             "cancelled": 0,
             "tokens": 0,
             "nonfinite": 0,
+            "drafted": 0,
+            "accepted": 0,
         }
         self._ttft: deque[float] = deque(maxlen=WINDOW)
         self._decode: deque[float] = deque(maxlen=WINDOW)
@@ -95,6 +100,8 @@ class Tally:
             self.totals["cancelled"] += 1
         if stats is not None:
             self.totals["tokens"] += stats.generated_tokens
+            self.totals["drafted"] += stats.drafted_tokens
+            self.totals["accepted"] += stats.accepted_tokens
             if stats.generated_tokens:
                 self._ttft.append(stats.ttft_ms)
             if stats.decode_tok_s:
@@ -124,4 +131,6 @@ class Tally:
             decode_tok_s=_percentiles(self._decode),
             heartbeat_age_s=heartbeat_age_s,
             nonfinite_logits=t["nonfinite"],
+            drafted_tokens=t["drafted"],
+            accepted_tokens=t["accepted"],
         )

@@ -75,6 +75,7 @@ class GenerateRequest:
     tools: tuple[Tool, ...] = ()  # functions the chat template shows the model
     tool_choice: str = "auto"  # one of TOOL_CHOICES (agent.engine.toolcalls)
     tool_name: str = ""  # the function a tool_choice "function" must call
+    speculation: str | None = None  # "off" | "ngram" (SPECULATION_MODES); None: the profile's
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,16 @@ class RequestStats:
     queue_ms: float = 0.0
     cached_tokens: int = 0  # prompt tokens whose KV was reused (session resume, prefix cache)
     truncated_tokens: int = 0  # history dropped by a session's truncate policy for this turn
+    # speculative decoding (agent.engine.speculation): drafts checked by verify calls, and
+    # how many of them the sampler accepted
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_calls: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted over drafted tokens (0.0 when nothing was drafted)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
 
 @dataclass(frozen=True, slots=True)

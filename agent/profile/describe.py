@@ -105,6 +105,7 @@ def describe(profile: DeviceProfile) -> str:
         row("top-k", g.top_k or "off"),
         row("top-p", f"{g.top_p:g}"),
         row("prefill chunk", g.prefill_chunk),
+        row("speculation", g.speculation),
         "kv",
         row("host tier", _size_text(kv.host_max_bytes) if kv.host_max_bytes else "off"),
         row("disk tier", _size_text(kv.disk_max_bytes) if kv.disk_max_bytes else "off"),

@@ -24,6 +24,8 @@ from agent.profile.schema import (
     NPU_KEYS,
     NPU_KINDS,
     RUNTIME_KEYS,
+    SPECULATION_MODES,
+    SPECULATION_UNAVAILABLE,
     TOP_KEYS,
     BoardMatch,
     DeviceProfile,
@@ -171,7 +173,21 @@ def _parse_generation(t: _Table) -> GenerationDefaults:
         top_k=t.integer("top_k", 0, MAX_TOP_K),
         top_p=t.number("top_p", 0.0, 1.0, lo_open=True),
         prefill_chunk=t.integer("prefill_chunk", 16, 4096),
+        speculation=_speculation(t),
     )
+
+
+def _speculation(t: _Table) -> str:
+    if "speculation" not in t.raw:
+        return "ngram"
+    if t.raw["speculation"] == SPECULATION_UNAVAILABLE:
+        allowed = ", ".join(repr(o) for o in SPECULATION_MODES)
+        raise t.error(
+            "speculation",
+            SPECULATION_UNAVAILABLE,
+            f"one of {allowed} (a draft model is not available in this version)",
+        )
+    return t.choice("speculation", SPECULATION_MODES)
 
 
 def _parse_kv(t: _Table | None) -> KVConfig:

@@ -38,7 +38,18 @@ RUNTIME_KEYS: Final = (
 )
 NPU_KEYS: Final = ("kind", "library", "options")
 MODEL_KEYS: Final = ("quantization", "path")
-GENERATION_KEYS: Final = ("max_tokens", "temperature", "top_k", "top_p", "prefill_chunk")
+GENERATION_KEYS: Final = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "prefill_chunk",
+    "speculation",
+)
+# speculative decoding: none, or drafts by prompt lookup (agent.engine.drafts); "draft" (a
+# second, smaller model) is named so that asking for it gets a clear "not available"
+SPECULATION_MODES: Final = ("off", "ngram")
+SPECULATION_UNAVAILABLE: Final = "draft"
 KV_KEYS: Final = ("host_max_bytes", "disk_max_bytes", "prefix_max_bytes", "preallocate")
 
 NpuOptionValue = str | int | float | bool
@@ -107,6 +118,7 @@ class GenerationDefaults:
     top_k: int
     top_p: float
     prefill_chunk: int
+    speculation: str = "ngram"  # one of SPECULATION_MODES
 
 
 @dataclass(frozen=True, slots=True)

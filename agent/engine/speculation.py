@@ -1,0 +1,170 @@
+"""When to speculate and with how many drafted tokens: one request's policy.
+
+A speculative step feeds the last token and k drafted ones through a verify signature of N
+tokens (N >= k + 1; one pass over the weights) and keeps the drafts up to the first one the
+sampler disagrees with, plus the token it sampled there (`agent.engine.generation`). With a
+per-token acceptance probability a, a draft of k tokens yields on average
+``E(k) = 1 + a + a^2 + ... + a^k`` tokens. A plain decode step yields 1 token at cost ``c1``
+(the runner's measured mean of the decode signature the cache uses now), a verify call of N
+tokens costs ``cN`` (its measured mean); the Python around either is per emitted token in both
+and cancels out. So a step speculates with the N that maximises ``E(k_N) / cN`` when
+``E(k_N) * c1 > MARGIN * cN``, and decodes plainly otherwise.
+
+The acceptance is measured per request and per match length of the drafter
+(`agent.engine.drafts`: a 3-token match predicts better than a 1-token one): an exponentially
+weighted count of accepted and checked drafts (`DECAY` per verify call, so a document quoted
+mid-answer turns speculation back on) over a prior of `PRIOR_ACCEPTED` / `PRIOR_CHECKED`. When
+the policy declines (open-ended text: the drafts keep failing) it stops looking for
+`interval` draft-bearing steps, then probes once with the cheapest verify signature, doubling
+the interval up to `PROBE_MAX` while the probes fail: a failed probe costs ``cN - c1`` once per
+that many steps, which keeps open-ended text within a few percent of plain decoding. A step
+with no draft costs one dict lookup. A signature not measured yet (its first call pays lazy
+initialisation and is not counted) is assumed to cost what decode does, so it gets measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from agent.engine.drafts import MAX_NGRAM, PromptLookup
+from agent.errors import InvalidRequest
+from agent.profile.schema import SPECULATION_MODES, SPECULATION_UNAVAILABLE
+from agent.runtime.runner import KVCache, Runner
+
+MARGIN = 1.05  # speculate only when expected tokens/s beats plain decode by this factor
+DECAY = 0.9  # weight of the older acceptance counts at each verify call
+PRIOR_ACCEPTED = 1.0  # a prior of one accepted draft in two
+PRIOR_CHECKED = 2.0
+PROBE_MIN = 8  # draft-bearing steps to wait after the policy first declines
+PROBE_MAX = 64  # the longest wait between probes
+
+
+class Costs(Protocol):
+    """The runner's measured call costs (`agent.runtime.runner`): seconds or None (unmeasured)."""
+
+    def decode_s(self, kv: KVCache) -> float | None: ...
+    def verify_s(self, kv: KVCache, n: int) -> float | None: ...
+
+
+def speculation_mode(asked: str | None, default: str) -> str:
+    """A request's speculation (its own, else the profile's), or InvalidRequest naming it."""
+    mode = default if asked is None else asked
+    if mode == SPECULATION_UNAVAILABLE:
+        raise InvalidRequest(
+            "speculation 'draft' (a second, smaller draft model) is not available in this "
+            "version; use 'ngram' or 'off'"
+        )
+    if mode not in SPECULATION_MODES:
+        raise InvalidRequest(f"speculation = {mode!r}; allowed: 'off', 'ngram'")
+    return mode
+
+
+def speculator_for(mode: str, runner: Runner, history: Sequence[int]) -> Speculator | None:
+    """The request's speculator, or None: speculation off, or the loaded model has no verify
+    signature it may use (none in the file, or the load check found verify not bit-identical
+    to decode: the runtime logged why once)."""
+    if mode != "ngram" or not runner.verify_lengths:
+        return None
+    return Speculator(runner.costs, runner.verify_lengths, history)
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Mean tokens a verify call of k drafts yields: the accepted ones plus the sampled one."""
+    a = min(max(acceptance, 0.0), 1.0)
+    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+@dataclass(slots=True)
+class _Order:
+    """Acceptance of the drafts found by one match length, and its back-off state."""
+
+    accepted: float = 0.0
+    checked: float = 0.0
+    wait: int = 0  # draft-bearing steps to skip before looking again
+    due: bool = False  # the wait ran out: the next decline probes
+    interval: int = PROBE_MIN
+
+    def acceptance(self) -> float:
+        return (self.accepted + PRIOR_ACCEPTED) / (self.checked + PRIOR_CHECKED)
+
+
+class Speculator:
+    """One request's drafter, policy and counters. `propose` before a decode step gives the
+    drafts to verify (empty: decode plainly); `record` after the step says how many held."""
+
+    def __init__(self, costs: Costs, verify_lengths: Sequence[int], history: Sequence[int]) -> None:
+        self._costs = costs
+        self._lengths = tuple(sorted(n for n in verify_lengths if n >= 2))
+        self._max_k = self._lengths[-1] - 1 if self._lengths else 0
+        self._history = history  # indexed on the first proposal, off the admission path
+        self._lookup: PromptLookup | None = None
+        self._seen = 0  # generated tokens already in the index
+        self._orders = [_Order() for _ in range(MAX_NGRAM)]
+        self._order = 0  # match length of the last proposal
+        self.drafted = 0
+        self.accepted = 0
+        self.verify_calls = 0
+
+    def propose(self, kv: KVCache, generated: Sequence[int], budget: int) -> tuple[int, ...]:
+        """Drafts for the next step: at most `budget` (tokens the request may still emit,
+        minus the one every step emits), or () for a plain decode step."""
+        if not self._lengths or budget < 1:
+            return ()
+        look = self._lookup
+        if look is None:
+            look = self._lookup = PromptLookup(self._history)
+            self._history = ()
+        if self._seen < len(generated):
+            look.extend(generated[self._seen :])
+            self._seen = len(generated)
+        order, draft = look.draft(min(self._max_k, budget))
+        if not draft:
+            return ()
+        st = self._orders[order - 1]
+        if st.wait > 0:
+            st.wait -= 1
+            if st.wait == 0:
+                st.due = True
+            return ()
+        k = self._choose(kv, st.acceptance(), len(draft))
+        if k == 0:
+            if not st.due:  # back off; when the wait runs out, probe
+                st.wait = st.interval
+                return ()
+            # probe: the cheapest verify signature, to see whether the drafts hold now
+            st.due = False
+            st.interval = min(2 * st.interval, PROBE_MAX)
+            st.wait = st.interval
+            k = min(self._lengths[0] - 1, len(draft))
+        else:
+            st.due, st.interval = False, PROBE_MIN
+        self._order = order
+        return draft[:k]
+
+    def _choose(self, kv: KVCache, acceptance: float, available: int) -> int:
+        """The number of drafts to verify (0: plain decode is expected to be faster)."""
+        c1 = self._costs.decode_s(kv)
+        if c1 is None:  # nothing measured yet: decode, which measures it
+            return 0
+        best_k, best = 0, 1.0 / c1 * MARGIN
+        for n in self._lengths:
+            k = min(n - 1, available)
+            cost = self._costs.verify_s(kv, k + 1)  # the signature the call would use
+            rate = expected_tokens(acceptance, k) / (c1 if cost is None else cost)
+            if rate > best:
+                best_k, best = k, rate
+            if k == available:  # a longer signature only pads the same draft
+                break
+        return best_k
+
+    def record(self, drafted: int, checked: int, accepted: int) -> None:
+        """A verify call of `drafted` drafts: the sampler compared the first `checked` (it
+        stops at the first mismatch, or at a stop), and the first `accepted` held."""
+        st = self._orders[self._order - 1]
+        st.accepted = DECAY * st.accepted + accepted
+        st.checked = DECAY * st.checked + checked
+        self.drafted += drafted
+        self.accepted += accepted
+        self.verify_calls += 1

@@ -1,0 +1,460 @@
+"""Speculative decoding: the prompt-lookup drafter, the policy, and the speculative step.
+
+The drafter and the policy are pure and tested here directly (the policy with scripted costs).
+The speculative step is tested first against a scripted fake runner (a deterministic "model"
+whose verify rows are what decode one by one gives, and whose KV rows past the accepted ones
+are junk until overwritten), over many random cases; then end to end on real tiny models with
+verify signatures: output identical with speculation on and off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.engine.drafts import PromptLookup
+from agent.engine.generation import Generation
+from agent.engine.sampler import Sampler, SamplingParams
+from agent.engine.speculation import (
+    MARGIN,
+    PROBE_MAX,
+    Speculator,
+    expected_tokens,
+    speculation_mode,
+)
+from agent.engine.types import TokenEvent
+from agent.errors import InvalidRequest, NonFiniteLogits
+
+# ---------------------------------------------------------------------- drafter
+
+
+def reference_draft(tokens: Sequence[int], k: int, lo: int = 1, hi: int = 3) -> tuple[int, tuple]:
+    """By rescanning: the longest suffix (hi..lo tokens) with an earlier occurrence that is
+    followed by a token; its most recent such occurrence; the k tokens after it, reading on
+    through the draft itself when the continuation reaches the end."""
+    last = len(tokens)
+    for n in range(min(hi, last), lo - 1, -1):
+        suffix = list(tokens[last - n :])
+        for end in range(last - 2, n - 2, -1):  # the occurrence's last token, a successor after
+            if list(tokens[end - n + 1 : end + 1]) == suffix:
+                seq = list(tokens)
+                for j in range(k):
+                    seq.append(seq[end + 1 + j])
+                return n, tuple(seq[last:])
+    return 0, ()
+
+
+@given(
+    st.lists(st.integers(0, 4), max_size=60),
+    st.integers(1, 8),
+    st.integers(1, 3),
+)
+def test_lookup_matches_a_rescan(tokens: list[int], k: int, lo: int) -> None:
+    built = PromptLookup(tokens, min_ngram=lo)
+    grown = PromptLookup(min_ngram=lo)
+    for i, t in enumerate(tokens):
+        grown.append(t)
+        assert grown.draft(k) == reference_draft(tokens[: i + 1], k, lo)
+    assert built.draft(k) == reference_draft(tokens, k, lo)
+
+
+def test_lookup_examples() -> None:
+    assert PromptLookup([1, 2, 3, 4, 9, 1, 2]).draft(3) == (2, (3, 4, 9))
+    # the most recent occurrence wins, and the longest match before shorter ones
+    assert PromptLookup([5, 1, 2, 7, 1, 2, 8, 0, 2]).draft(2) == (1, (8, 0))
+    assert PromptLookup([1, 2, 7, 3, 2, 8, 1, 2]).draft(1) == (2, (7,))
+    # a repeating pattern is extrapolated through the draft
+    assert PromptLookup([1, 2, 1, 2, 1]).draft(5) == (3, (2, 1, 2, 1, 2))
+    assert PromptLookup([4, 4]).draft(4) == (1, (4, 4, 4, 4))
+    # nothing to go on
+    assert PromptLookup([1, 2, 3]).draft(4) == (0, ())
+    assert PromptLookup().draft(4) == (0, ())
+    assert PromptLookup([1, 2, 1]).draft(0) == (0, ())
+    assert PromptLookup([1, 2, 3, 1], min_ngram=2).draft(3) == (0, ())
+    with pytest.raises(ValueError):
+        PromptLookup(min_ngram=0)
+
+
+# ---------------------------------------------------------------------- policy
+
+
+@dataclass
+class ScriptedCosts:
+    """Measured seconds per call as the runner would report them (None: unmeasured)."""
+
+    decode: float | None = 1.0
+    verify: dict[int, float | None] = field(default_factory=lambda: {4: 1.2, 8: 1.5})
+
+    def decode_s(self, kv: object) -> float | None:
+        return self.decode
+
+    def verify_s(self, kv: object, n: int) -> float | None:
+        return next((c for length, c in sorted(self.verify.items()) if length >= n), None)
+
+
+REPEAT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12] * 4  # every suffix has a long continuation
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens(0.0, 7) == 1.0
+    assert expected_tokens(1.0, 7) == 8.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_high_acceptance_uses_the_longest_draft() -> None:
+    spec = Speculator(ScriptedCosts(), (4, 8), REPEAT)
+    lengths = []
+    for _ in range(20):
+        drafts = spec.propose(None, [], 100)
+        lengths.append(len(drafts))
+        spec.record(len(drafts), len(drafts), len(drafts))
+    # at the prior (1 in 2) E(3) / 1.2 beats E(7) / 1.5; once drafts hold, 7 is best
+    assert lengths[0] == 3 and lengths[5:] == [7] * 15
+    assert (spec.drafted, spec.accepted, spec.verify_calls) == (sum(lengths),) * 2 + (20,)
+
+
+def test_budget_caps_the_draft() -> None:
+    spec = Speculator(ScriptedCosts(), (4, 8), REPEAT)
+    assert len(spec.propose(None, [], 2)) == 2
+    assert spec.propose(None, [], 0) == ()
+    assert Speculator(ScriptedCosts(), (), REPEAT).propose(None, [], 100) == ()
+
+
+def test_unmeasured_decode_never_speculates_and_unmeasured_verify_is_tried() -> None:
+    assert Speculator(ScriptedCosts(decode=None), (4, 8), REPEAT).propose(None, [], 9) == ()
+    costs = ScriptedCosts(verify={4: None, 8: None})
+    assert len(Speculator(costs, (4, 8), REPEAT).propose(None, [], 9)) == 7
+
+
+def test_expensive_verify_is_not_used() -> None:
+    # a verify call costing as much as 8 decode steps never beats decode, whatever the drafts
+    spec = Speculator(ScriptedCosts(verify={4: 4.5, 8: 9.0}), (4, 8), REPEAT)
+    proposals = [spec.propose(None, [], 100) for _ in range(PROBE_MAX)]
+    for d in proposals:
+        if d:
+            spec.record(len(d), len(d), len(d))
+    # only the probes, each with the cheapest signature's draft, at waits of 8, 16, 32 steps
+    assert [i for i, d in enumerate(proposals) if d] == [9, 26, 59]
+    assert all(len(d) in (0, 3) for d in proposals)
+
+
+def simulate(spec: Speculator, costs: ScriptedCosts, steps: int, hold) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+    """Run `steps` decode steps through the policy with scripted acceptance `hold(step, k)`;
+    returns (seconds spent, tokens emitted) under the scripted costs."""
+    spent, emitted = 0.0, 0
+    for step in range(steps):
+        drafts = spec.propose(None, [], 100)
+        if not drafts:
+            spent += costs.decode or 0.0
+            emitted += 1
+            continue
+        a = hold(step, len(drafts))
+        spec.record(len(drafts), min(a + 1, len(drafts)), a)
+        spent += costs.verify_s(None, len(drafts) + 1) or 0.0
+        emitted += a + 1
+    return spent, emitted
+
+
+def test_failing_drafts_back_off_to_within_five_percent() -> None:
+    costs = ScriptedCosts()
+    spec = Speculator(costs, (4, 8), REPEAT)
+    spent, emitted = simulate(spec, costs, 2000, lambda step, k: 0)
+    plain = emitted * (costs.decode or 0.0)
+    assert spent / plain <= 1.05
+    assert spec.verify_calls > 0  # it did try, and it keeps probing
+    late = Speculator(costs, (4, 8), REPEAT)
+    simulate(late, costs, 1000, lambda step, k: 0)
+    calls = late.verify_calls
+    simulate(late, costs, 1000, lambda step, k: 0)
+    assert 0 < late.verify_calls - calls <= 1000 // PROBE_MAX + 1
+
+
+def test_turns_back_on_when_drafts_start_holding() -> None:
+    costs = ScriptedCosts()
+    spec = Speculator(costs, (4, 8), REPEAT)
+    simulate(spec, costs, 500, lambda step, k: 0)
+    before = spec.verify_calls
+    spent, emitted = simulate(spec, costs, 500, lambda step, k: k)
+    assert spec.verify_calls - before > 300  # back on within a probe interval or two
+    assert emitted / spent > 3.0 * MARGIN  # and much faster than plain decoding
+
+
+def test_acceptance_is_tracked_per_match_length() -> None:
+    # failing unigram matches do not stop trigram matches, which keep their own estimate
+    spec = Speculator(ScriptedCosts(), (4, 8), [])
+    spec._orders[0].checked = 50.0  # unigram drafts: 0 of 50 held
+    generated = [7, 8, 7]  # only "7" occurred before
+    assert spec.propose(None, generated, 100) == ()
+    generated += [1, 2, 3, 1, 2, 3]
+    assert spec.propose(None, generated, 100) == (1, 2, 3)  # its prior: verify_4 is best
+
+
+def test_speculation_mode() -> None:
+    assert speculation_mode(None, "ngram") == "ngram"
+    assert speculation_mode("off", "ngram") == "off"
+    with pytest.raises(InvalidRequest, match="not available"):
+        speculation_mode("draft", "ngram")
+    with pytest.raises(InvalidRequest, match="'off', 'ngram'"):
+        speculation_mode("eagle", "off")
+
+
+def test_profile_key(make_profile, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from agent.errors import ConfigError
+
+    assert make_profile().generation.speculation == "ngram"
+    assert make_profile(generation={"speculation": "off"}).generation.speculation == "off"
+    for bad, says in (("draft", "not available"), ("fast", "one of 'off', 'ngram'"), (1, "one")):
+        with pytest.raises(ConfigError, match=says) as info:
+            make_profile(generation={"speculation": bad})
+        assert "generation.speculation" in str(info.value)
+
+
+# ---------------------------------------------------------------------- the step, on a fake
+
+
+JUNK = -1  # what a padded verify call leaves in the rows past its tokens
+
+
+class ToyModel:
+    """A deterministic next-token table over the last two rows (and the position's parity),
+    so greedy text falls into loops that drafts catch, and junk or misplaced rows change it."""
+
+    def __init__(self, vocab: int, seed: int, nan_at: int | None = None) -> None:
+        self.vocab, self.seed, self.nan_at = vocab, seed, nan_at
+
+    def logits(self, rows: Sequence[int], pos: int) -> np.ndarray:
+        assert all(r != JUNK for r in rows[: pos + 1]), "read a row the request never wrote"
+        if pos == self.nan_at:
+            return np.full(self.vocab, np.nan, dtype=np.float32)
+        key = f"{self.seed}:{rows[max(0, pos - 1)]}:{rows[pos]}:{pos % 2}".encode()
+        h = np.frombuffer(hashlib.sha256(key).digest(), dtype=np.uint8)
+        return (h[: self.vocab].astype(np.float32) / 32.0).copy()
+
+
+class FakeRunner:
+    """A scripted runner over `ToyModel`: decode and verify rows as one-by-one decoding gives
+    them, verify padded to the signature's length with junk rows, None past the context."""
+
+    def __init__(
+        self, model: ToyModel, context: int, lengths: tuple[int, ...] = (4, 8), extra: int = 3
+    ) -> None:
+        from types import SimpleNamespace
+
+        self.model = model
+        # the model's embedding is padded: rows past the tokenizer's vocabulary exist
+        self.layout = SimpleNamespace(context_length=context, vocab_size=model.vocab + extra)
+        self.accelerator = "fake"
+        self.verify_lengths = lengths
+        self.costs = ScriptedCosts()
+        self.rows: list[int] = [JUNK] * context
+        self.verify_calls = 0
+
+    def _row(self, pos: int) -> np.ndarray:
+        pad = np.full(self.layout.vocab_size - self.model.vocab, 99.0, dtype=np.float32)
+        return np.concatenate([self.model.logits(self.rows, pos), pad])
+
+    def reserve(self, kv: object, rows: int, keep: int) -> None:
+        pass
+
+    def prefill(self, kv: object, tokens: Sequence[int], start: int) -> None:
+        self.rows[start : start + len(tokens)] = tokens
+
+    def decode(self, kv: object, token: int, pos: int) -> np.ndarray:
+        self.rows[pos] = token
+        return self._row(pos)
+
+    def verify(self, kv: object, tokens: Sequence[int], pos: int) -> np.ndarray | None:
+        n = next((n for n in self.verify_lengths if n >= len(tokens)), None)
+        if n is None or pos + n > self.layout.context_length:
+            return None
+        self.verify_calls += 1
+        self.rows[pos : pos + n] = [*tokens, *[JUNK] * (n - len(tokens))]
+        return np.stack([self._row(pos + i) for i in range(len(tokens))])
+
+
+class Letters:
+    """A detokenizer: token t is one letter."""
+
+    def push(self, t: int) -> str:
+        return chr(ord("a") + t)
+
+    def push_many(self, ids: Sequence[int]) -> str:
+        return "".join(map(self.push, ids))
+
+    def flush(self) -> str:
+        return ""
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    text: str
+    finish: str
+    kv_rows: int
+    error: str | None
+    drafted: int
+    accepted: int
+    events: int
+
+
+def run_fake(  # type: ignore[no-untyped-def]
+    prompt: Sequence[int],
+    *,
+    speculate: bool,
+    vocab: int = 8,
+    seed: int = 0,
+    context: int = 64,
+    max_tokens: int = 40,
+    stop: Sequence[str] = (),
+    stop_ids: frozenset[int] = frozenset(),
+    sampling: SamplingParams | None = None,
+    nan_at: int | None = None,
+    lengths: tuple[int, ...] = (4, 8),
+) -> Run:
+    runner = FakeRunner(ToyModel(vocab, seed, nan_at), context, lengths)
+    spec = Speculator(runner.costs, runner.verify_lengths, prompt) if speculate else None
+    gen = Generation(
+        runner,  # type: ignore[arg-type]
+        object(),  # type: ignore[arg-type]
+        Letters(),
+        prompt,
+        start_pos=0,
+        max_tokens=max_tokens,
+        sampler=Sampler(sampling or SamplingParams()),
+        stop=stop,
+        stop_ids=stop_ids,
+        prefill_chunk=16,
+        vocab=vocab,
+        speculator=spec,
+    )
+    events: list[TokenEvent] = []
+    while not gen.done:
+        try:
+            events += gen.step()
+        except NonFiniteLogits as exc:
+            events.append(gen.fail(str(exc)))
+    last = events[-1]
+    assert last.stats is not None and last.finish_reason is not None
+    assert [t for e in events for t in e.token_ids] == gen.generated
+    return Run(
+        gen.generated,
+        "".join(e.text for e in events),
+        last.finish_reason,
+        gen.kv_rows,
+        last.error,
+        last.stats.drafted_tokens,
+        last.stats.accepted_tokens,
+        len(events),
+    )
+
+
+def same(a: Run, b: Run) -> None:
+    """The same output and ending; the same KV rows held unless it failed (a failed request's
+    rows are never reused: agent.engine.binding)."""
+    assert (a.tokens, a.text, a.finish, a.error) == (b.tokens, b.text, b.finish, b.error)
+    if a.finish != "error":
+        assert a.kv_rows == b.kv_rows
+
+
+def test_fake_greedy_identical_and_drafts_accepted() -> None:
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3]
+    plain = run_fake(prompt, speculate=False)
+    spec = run_fake(prompt, speculate=True)
+    same(plain, spec)
+    assert plain.drafted == 0 and spec.drafted > 0 and spec.accepted > 0
+    assert spec.events < plain.events  # several tokens per verify call
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 5), min_size=1, max_size=20),
+    seed=st.integers(0, 3),
+    context=st.integers(24, 60),
+    max_tokens=st.integers(1, 50),
+    stop_id=st.one_of(st.none(), st.integers(0, 5)),
+    stop=st.one_of(st.none(), st.text("abcdef", min_size=1, max_size=3)),
+    temperature=st.sampled_from([0.0, 0.8]),
+    top_p=st.sampled_from([1.0, 0.7]),
+    nan_at=st.one_of(st.none(), st.integers(20, 40)),
+    lengths=st.sampled_from([(4, 8), (2,), (3, 5, 8)]),
+)
+def test_fake_identical_to_plain_decoding(  # type: ignore[no-untyped-def]
+    prompt, seed, context, max_tokens, stop_id, stop, temperature, top_p, nan_at, lengths
+) -> None:
+    """Stops (ids and strings), max_tokens, the context end and non-finite logits inside a
+    block, sampling with a seed: the same tokens, text, ending and KV rows as plain decoding."""
+    if len(prompt) >= context:
+        prompt = prompt[: context - 1]
+    kw = {
+        "seed": seed,
+        "context": context,
+        "max_tokens": max_tokens,
+        "stop_ids": frozenset() if stop_id is None else frozenset({stop_id}),
+        "stop": () if stop is None else (stop,),
+        "sampling": SamplingParams(temperature=temperature, top_p=top_p, seed=seed + 7),
+        "nan_at": nan_at,
+        "lengths": lengths,
+    }
+    same(run_fake(prompt, speculate=False, **kw), run_fake(prompt, speculate=True, **kw))
+
+
+class NoRepeat:
+    """A toy grammar: a token may not follow itself (the mask forbids the last one)."""
+
+    def start(self):  # type: ignore[no-untyped-def]
+        return NoRepeatState()
+
+
+class NoRepeatState:
+    def __init__(self) -> None:
+        self.last: int | None = None
+        self.seen: list[int] = []
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        out = logits.copy()
+        if self.last is not None:
+            out[self.last] = -np.inf
+        return out
+
+    def advance(self, token: int) -> None:
+        assert token != self.last
+        self.last = token
+        self.seen.append(token)
+
+
+def test_fake_constrained_identical() -> None:
+    prompt = [1, 1, 2, 1, 1, 2, 1, 1]
+    for temperature in (0.0, 0.9):
+        params = SamplingParams(temperature=temperature, seed=3, constraint=NoRepeat())
+        plain = run_fake(prompt, speculate=False, sampling=params)
+        spec = run_fake(prompt, speculate=True, sampling=params)
+        same(plain, spec)
+        assert spec.drafted > 0
+        assert all(a != b for a, b in zip(spec.tokens, spec.tokens[1:], strict=False))
+
+
+def test_fake_stop_inside_a_block() -> None:
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3]
+    full = run_fake(prompt, speculate=True)
+    assert full.accepted > 0
+    for cut in (3, 7, 12):
+        s = full.text[cut : cut + 2]
+        plain = run_fake(prompt, speculate=False, stop=(s,))
+        spec = run_fake(prompt, speculate=True, stop=(s,))
+        same(plain, spec)
+        assert spec.finish == "stop" and spec.text == full.text[: full.text.find(s)]
+        stop_id = full.tokens[cut]
+        same(
+            run_fake(prompt, speculate=False, stop_ids=frozenset({stop_id})),
+            run_fake(prompt, speculate=True, stop_ids=frozenset({stop_id})),
+        )
+    for n in (1, 2, 5, 9):
+        spec = run_fake(prompt, speculate=True, max_tokens=n)
+        same(run_fake(prompt, speculate=False, max_tokens=n), spec)
+        assert spec.finish == "length" and spec.tokens == full.tokens[:n]
