@@ -85,15 +85,18 @@ def test_cancel_stops_within_one_token(engine: Engine) -> None:
     got: list = []
     handles: list = []
 
+    seen: list[int] = []
+
     def sink(event) -> None:  # runs on the engine thread, between two steps
         got.append(event)
-        if len(got) == 3:
+        if len(got) == 3:  # events batch tokens: count what this one had seen
+            seen.append(sum(len(e.token_ids) for e in got))
             handles[0].cancel()
 
     handles.append(engine.submit(req(max_tokens=50), sink))
     assert handles[0].done.wait(30)
     assert got[-1].finish_reason == "cancelled"
-    assert sum(len(e.token_ids) for e in got) == 3
+    assert sum(len(e.token_ids) for e in got) == seen[0] < 50
 
 
 def test_closing_a_stream_frees_the_engine(engine: Engine) -> None:

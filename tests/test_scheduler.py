@@ -73,7 +73,8 @@ def _req(prompt: str = "def f():", n: int = 20, seed: int = 1) -> GenerateReques
 
 
 def test_concurrent_requests_take_turns_token_by_token(engine_factory) -> None:
-    engine = engine_factory(EngineLimits(max_active=3, queue_capacity=4))
+    # an event per token: the turns show in the order of the events
+    engine = engine_factory(EngineLimits(max_active=3, queue_capacity=4, event_tokens=1))
     order: list[str] = []
     lock = threading.Lock()
     handles = []
@@ -97,7 +98,9 @@ def test_concurrent_requests_take_turns_token_by_token(engine_factory) -> None:
 
 
 def test_long_prompt_prefill_interleaves_with_decode(engine_factory, tiny_model_dir) -> None:
-    engine = engine_factory(EngineLimits(max_active=2), generation={"prefill_chunk": 16})
+    engine = engine_factory(
+        EngineLimits(max_active=2, event_tokens=1), generation={"prefill_chunk": 16}
+    )
     long_prompt = "x = 1\n"
     while len(engine.tokenizer.encode(long_prompt)) < 100:
         long_prompt += "y = x + 2\n"

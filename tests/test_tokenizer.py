@@ -255,7 +255,8 @@ def test_hf_property_round_trip_matches_the_library(hf_pair, text: str) -> None:
     assert ids == _ref_ids(ref, text)
     deltas = stream_deltas(ours, ids)
     assert "".join(deltas) == ref.decode(ids) == ours.decode(ids)
-    assert all("\ufffd" not in d for d in deltas)
+    if "\ufffd" not in text:  # the text's own U+FFFD is text, not a split character
+        assert all("\ufffd" not in d for d in deltas)
 
 
 def test_user_text_never_becomes_a_special_token(hf_files) -> None:

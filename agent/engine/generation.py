@@ -10,6 +10,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 from agent.engine.sampler import Sampler
 from agent.engine.speculation import Speculator
 from agent.engine.types import RequestStats, TokenEvent
@@ -27,6 +29,8 @@ class StopMatcher:
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add text; return (text safe to emit, whether a stop string was reached)."""
+        if not self._stops:
+            return text, False
         buf = self._pending + text
         hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
         if hits:
@@ -98,6 +102,8 @@ class Generation:
         self._cached = cached_tokens
         self._prefix_tokens = prefix_tokens  # prompt tokens already in the KV (prefix cache)
         self._truncated = truncated_tokens
+        self._logits_of: object = None  # the last decode's logits array, and its vocab rows
+        self._logits_view = np.zeros(0, dtype=np.float32)
         self._spec = speculator  # None: plain decoding only
 
     @property
@@ -198,7 +204,9 @@ class Generation:
     def _decode_one(self) -> list[TokenEvent]:
         logits = self._runner.decode(self._kv, self._next_input, self._pos)
         self._pos += 1
-        token = self._sampler(logits[: self._vocab])
+        if logits is not self._logits_of:  # the runner's own array: its view is made once
+            self._logits_of, self._logits_view = logits, logits[: self._vocab]
+        token = self._sampler(self._logits_view)
         if self._t_first is None:
             self._t_first = time.perf_counter()
         if token in self._stop_ids:

@@ -100,8 +100,8 @@ class Sampler:
     def _choose(self, logits: npt.NDArray[np.float32]) -> int:
         p = self.params
         if p.temperature == 0.0:
-            token = int(np.argmax(logits))
-            if not math.isfinite(float(logits[token])):
+            token = int(logits.argmax())  # the method: np.argmax's dispatch costs more
+            if not math.isfinite(logits[token]):
                 raise NonFiniteLogits(f"the model produced non-finite logits ({logits[token]})")
             return token
         vocab = logits.shape[-1]
