@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agent.cli.common import _profile_arg
 from agent.ota.delta import (
     DEFAULT_LEVEL,
     DeltaError,
@@ -31,7 +32,13 @@ from agent.ota.delta import (
 def cmd_model_inspect(args: argparse.Namespace) -> int:
     from agent.runtime.inspect import inspect_report
 
-    report = inspect_report(Path(args.path))
+    check = None
+    if args.check:  # load it as `generate` would: the profile, a one-shot weight cache
+        from agent.cli.common import _resolve
+        from agent.userdirs import one_shot_profile
+
+        check = one_shot_profile(_resolve(args)[0])
+    report = inspect_report(Path(args.path), check)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -146,6 +153,12 @@ def add_model_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p = msub.add_parser("inspect", help="signatures, KV layout, quantization, fused ops, sha256")
     p.add_argument("path", help="a .tflite file, a model directory or a .litertlm bundle")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="load it under the profile: does the first-load check allow speculation?",
+    )
+    _profile_arg(p)
     p.set_defaults(func=cmd_model_inspect)
     p = msub.add_parser(
         "import", help="a model directory from a .litertlm or a downloaded export folder"

@@ -35,12 +35,14 @@ UNCHECKED_SUFFIX: Final = ".unchecked"  # a prepared copy before its first-load 
 NO_WINDOWS_SUFFIX: Final = ".nowindows"  # why a model's windows were refused or failed
 REFUSED_SUFFIX: Final = ".refused"  # why a model's prepared copy failed its first-load check
 PARSE_SUFFIX: Final = ".parse.json"  # what reading a model file found (`read_model_file`)
+VERIFY_SUFFIX: Final = ".verify"  # whether its verify signatures match decode (`speccheck`)
 # files the runtime keeps in a weight cache directory: <sha256>[.<variant>].xnnpack|.tflite,
 # <sha256>.<variant>.tflite.unchecked, <sha256>.p<format>.nowindows,
-# <sha256>[.<variant>].parse.json; and what a load killed while writing one leaves:
+# <sha256>[.<variant>].parse.json|.verify; and what a load killed while writing one leaves:
 # <name>.tmp (a prepared copy), <name><mkstemp's 8 characters>.tmp (a reading)
 _CACHE_FILE = re.compile(
-    r"^[0-9a-f]{64}(\.[a-z0-9-]+)?\.(xnnpack|tflite|tflite\.unchecked|nowindows|refused|parse\.json)"
+    r"^[0-9a-f]{64}(\.[a-z0-9-]+)?"
+    r"\.(xnnpack|tflite|tflite\.unchecked|nowindows|refused|parse\.json|verify)"
     r"(([a-z0-9_]{8})?\.tmp)?$"
 )
 
@@ -61,6 +63,7 @@ def _keep_files(cache_key: str) -> set[str]:
         no_windows_name(cache_key),
         refused_name(cache_key),
         f"{cache_key}{PARSE_SUFFIX}",
+        f"{cache_key}{VERIFY_SUFFIX}",
         f"{cache_key.split('.', 1)[0]}{PARSE_SUFFIX}",  # the model file's own
     }
 

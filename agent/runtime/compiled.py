@@ -81,6 +81,7 @@ class CompiledRunner(RunnerBase[_BoundKV]):
         from ai_edge_litert.hardware_accelerator import HardwareAccelerator as HW
         from ai_edge_litert.options import Options
 
+        super().__init__()
         self.layout = layout
         kernel = CpuKernelMode.BUILTIN if accelerator == "cpu" else CpuKernelMode.XNNPACK
         hw = {"npu": HW.NPU | HW.CPU, "gpu": HW.GPU | HW.CPU}.get(accelerator, HW.CPU)

@@ -1,21 +1,54 @@
 """`edge-agent model inspect`: what a model file, model directory or `.litertlm` bundle is,
-without running it."""
+without running it (``--check``: and whether a load under a profile allows speculation)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from agent.errors import ModelFormatError
+from agent.errors import AgentError, ModelFormatError
 from agent.modeldir import METADATA_FILE, load_model_dir, sha256_file
+from agent.profile import DeviceProfile
 from agent.runtime.layout import discover_layout
 from agent.runtime.modelfacts import context_length_of, quantization_of
 from agent.runtime.modelfile import read_model_file
 from agent.runtime.modelinfo import ModelFile
 
 
-def _file_report(path: Path, context_length: int | None) -> dict[str, Any]:
-    return _model_report(read_model_file(path), str(path), sha256_file(path), context_length)
+def _file_report(
+    path: Path, context_length: int | None, check: DeviceProfile | None = None
+) -> dict[str, Any]:
+    sha = sha256_file(path)
+    report = _model_report(read_model_file(path), str(path), sha, context_length)
+    llm = report["llm"]
+    if check is not None and "error" not in llm and llm["verify_lengths"]:
+        llm["speculation"] = speculation_check(path, check, sha, context_length)
+    return report
+
+
+def speculation_check(
+    path: Path, profile: DeviceProfile, sha256: str, context_length: int | None
+) -> dict[str, Any]:
+    """Load `path` under `profile` and say whether its first-load check allows speculation
+    (`agent.runtime.speccheck`; an outcome an earlier load kept in the profile's weight cache
+    directory is read, not checked again)."""
+    from agent.runtime import litert
+
+    try:
+        loaded = litert.load(path, profile, context_length=context_length, cache_key=sha256)
+    except AgentError as exc:
+        return {"allowed": False, "reason": f"the model did not load: {exc}"}
+    runner = loaded.runner
+    try:
+        lengths = list(runner.verify_lengths)
+        why = getattr(runner, "verify_problem", None)
+        out: dict[str, Any] = {"allowed": bool(lengths), "accelerator": loaded.accelerator}
+        out["verify_lengths"] = lengths
+        if not lengths:
+            out["reason"] = why or "no verify signature in the windows this load runs"
+        return out
+    finally:
+        runner.close()
 
 
 def _model_report(
@@ -54,6 +87,8 @@ def _model_report(
         "vocab_size": layout.vocab_size,
         "context_length": kv.context_length,
         "prefill_lengths": [s.length for s in layout.prefill],
+        "verify_lengths": [s.length for s in layout.verify],
+        "verify_by_window": {str(w.length): [s.length for s in w.verify] for w in layout.windows},
         "mask_input": layout.decode.has_mask,
         "kv_layout": kv.name,
         "kv_layers": kv.num_layers,
@@ -66,8 +101,10 @@ def _model_report(
     return report
 
 
-def inspect_report(path: Path) -> dict[str, Any]:
-    """A JSON-able description of a `.tflite` file or of every variant in a model directory."""
+def inspect_report(path: Path, check: DeviceProfile | None = None) -> dict[str, Any]:
+    """A JSON-able description of a `.tflite` file or of every variant in a model directory;
+    with `check`, each file with verify signatures is loaded under that profile to say whether
+    speculation is allowed (``llm.speculation``)."""
     if path.is_dir() or path.name == METADATA_FILE:
         directory = path if path.is_dir() else path.parent
         meta = load_model_dir(directory)
@@ -79,7 +116,7 @@ def inspect_report(path: Path) -> dict[str, Any]:
             "variants": [
                 {
                     "quantization": v.quantization,
-                    **_file_report(meta.path_of(v), meta.context_length),
+                    **_file_report(meta.path_of(v), meta.context_length, check),
                     "sha256_ok": sha256_file(meta.path_of(v)) == v.sha256,
                 }
                 for v in meta.variants
@@ -91,7 +128,7 @@ def inspect_report(path: Path) -> dict[str, Any]:
 
     if path.suffix == ".litertlm" or is_litertlm(path):
         return _bundle_report(path)
-    return _file_report(path, None)
+    return _file_report(path, None, check)
 
 
 def _bundle_report(path: Path) -> dict[str, Any]:
@@ -164,6 +201,7 @@ def _format_file(r: dict[str, Any]) -> list[str]:
             f"vocab       {llm['vocab_size']}",
             f"context     {llm['context_length']} tokens",
             f"prefill     {llm['prefill_lengths']}   mask input: {llm['mask_input']}",
+            f"verify      {_verify_line(llm)}",
             f"KV layout   {llm['kv_layout']}: {llm['kv_layers']} layers, K {llm['kv_k_shape']} "
             f"V {llm['kv_v_shape']} {llm['kv_dtype']}",
             f"KV size     {_mib(llm['kv_bytes_per_session'])} per session "
@@ -180,6 +218,24 @@ def _format_file(r: dict[str, Any]) -> list[str]:
             f"  {w['op']:24} {w['kind']:20} {w['tensors']:4} tensors {_mib(w['bytes']):>12}"
         )
     return lines
+
+
+def _verify_line(llm: dict[str, Any]) -> str:
+    """Verify lengths, per KV window when the file has windows, and the load check's outcome."""
+    lengths = llm.get("verify_lengths") or []
+    by_window = llm.get("verify_by_window") or {}
+    if not lengths and not any(by_window.values()):
+        return "none (no speculative decoding)"
+    text = f"{lengths}"
+    if by_window:
+        text += " (" + ", ".join(f"KV {w}: {n}" for w, n in by_window.items()) + ")"
+    spec = llm.get("speculation")
+    if spec is not None:
+        if spec["allowed"]:
+            text += f"; speculation allowed on {spec['accelerator']}"
+        else:
+            text += f"; speculation off: {spec['reason']}"
+    return text
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -51,6 +51,7 @@ class InterpreterRunner(RunnerBase[_HostKV]):
         else:
             from ai_edge_litert.interpreter import Interpreter, OpResolverType, load_delegate
 
+        super().__init__()
         # KV windows are for the CompiledModel path: the Interpreter allocates every signature's
         # KV inputs in its arena, so each window would cost its KV once per signature.
         self.layout = replace(layout, windows=())
@@ -74,7 +75,7 @@ class InterpreterRunner(RunnerBase[_HostKV]):
         self._sub: dict[str, int] = {}
         self._in: dict[str, dict[str, int]] = {}
         self._out: dict[str, dict[str, int]] = {}
-        for sig in (layout.decode, *layout.prefill):
+        for sig in self.layout.full.signatures:
             sub = self._w.GetSubgraphIndexFromSignature(sig.key)
             self._w.AllocateTensors(sub)
             self._sub[sig.key] = sub

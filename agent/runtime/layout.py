@@ -12,6 +12,11 @@ KV layouts: *default* K and V are [1, kv_max, kv_heads, head_dim]; *transposed* 
 KV windows (optional): ``kv<L>_decode`` and ``kv<L>_prefill_<N>`` are the same model over a
 shorter KV length L (see `agent.toolchain.export`). Each window, and the full length, is a
 `Window`: its own signatures and KV shapes.
+
+Verify signatures (optional): ``verify_<N>`` (``kv<L>_verify_<N>`` in a window, and a plain
+``verify``, LiteRT-LM's name, whose N is its tokens' length) take N tokens like a prefill and
+also output ``logits`` [1, N, vocab], one row per position: what speculative decoding checks
+N-1 drafted tokens with. They are never part of a prefill plan.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from agent.errors import ModelFormatError
 from agent.runtime.modelinfo import ModelFile, SignatureIO, TensorInfo
 
 _PREFILL = re.compile(r"^prefill(?:_(\d+))?$")
-_WINDOW = re.compile(r"^kv(\d+)_(decode|prefill(?:_\d+)?)$")
+_VERIFY = re.compile(r"^verify(?:_(\d+))?$")
+_WINDOW = re.compile(r"^kv(\d+)_(decode|prefill(?:_\d+)?|verify(?:_\d+)?)$")
 _KV = re.compile(r"^kv_cache_([kv])_(\d+)$")
 # Windows a single-length model gets at load (`agent.runtime.windows` adds them):
 SMALLEST_WINDOW: Final = 256  # below this the full KV read is already a small part of a step
@@ -88,6 +94,7 @@ class Window:
     decode: Signature
     prefill: tuple[Signature, ...]  # sorted by length; may be empty for a window
     kv: KVLayout
+    verify: tuple[Signature, ...] = ()  # sorted by length; never used for prefill
 
     @property
     def length(self) -> int:
@@ -95,7 +102,7 @@ class Window:
 
     @property
     def signatures(self) -> tuple[Signature, ...]:
-        return (*self.prefill, self.decode)
+        return (*self.prefill, self.decode, *self.verify)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +112,7 @@ class ModelLayout:
     kv: KVLayout
     vocab_size: int
     windows: tuple[Window, ...] = ()  # shorter KV windows, by length
+    verify: tuple[Signature, ...] = ()  # the full length's verify signatures, by length
 
     @property
     def context_length(self) -> int:
@@ -112,7 +120,7 @@ class ModelLayout:
 
     @property
     def full(self) -> Window:
-        return Window(self.decode, self.prefill, self.kv)
+        return Window(self.decode, self.prefill, self.kv, self.verify)
 
     def all_windows(self) -> tuple[Window, ...]:
         """The KV windows by length, the full length last."""
@@ -237,7 +245,31 @@ def discover_layout(model: ModelFile, context_length: int | None = None) -> Mode
         raise _fail("at least one 'prefill_<N>' signature", f"signatures {found}")
     prefill.sort(key=lambda s: s.length)
     vocab = logits.shape[-1]
-    return ModelLayout(decode, tuple(prefill), kv, vocab, _windows(by_key, kv, vocab))
+    verify = _verify(by_key, "", kv, vocab)
+    return ModelLayout(decode, tuple(prefill), kv, vocab, _windows(by_key, kv, vocab), verify)
+
+
+def _verify(
+    by_key: dict[str, SignatureIO], prefix: str, kv: KVLayout, vocab: int
+) -> tuple[Signature, ...]:
+    """The verify signatures named ``<prefix>verify[_<N>]``, checked: logits [1, N, vocab] and
+    the KV layout of the decode signature they sit beside."""
+    found: dict[int, Signature] = {}
+    for key, sig in by_key.items():
+        m = _VERIFY.match(key[len(prefix) :]) if key.startswith(prefix) else None
+        if m is None:
+            continue
+        v = _signature(sig, int(m.group(1)) if m.group(1) else None)
+        want = (1, v.length, vocab)
+        if v.logits_shape != want:
+            got = f"logits {list(v.logits_shape)}" if v.has_logits else "no 'logits' output"
+            raise _fail(f"{key}: a verify signature's logits {list(want)}", got)
+        if _kv_layout(sig, kv.context_length) != kv:
+            raise _fail(f"{key}: the same KV layout as {prefix}decode", "a different one")
+        if v.length in found:
+            raise _fail(f"{key}: one verify signature per length", f"{found[v.length].key} too")
+        found[v.length] = v
+    return tuple(found[n] for n in sorted(found))
 
 
 def _windows(by_key: dict[str, SignatureIO], full: KVLayout, vocab: int) -> tuple[Window, ...]:
@@ -270,7 +302,9 @@ def _windows(by_key: dict[str, SignatureIO], full: KVLayout, vocab: int) -> tupl
                 if _kv_layout(sig, length) != kv:
                     raise _fail(f"{where}: {name} with the window's KV layout", "a different one")
                 prefill.append(p)
-        windows.append(Window(decode, tuple(sorted(prefill, key=lambda s: s.length)), kv))
+        named = {f"kv{length}_{name}": sig for name, sig in sigs.items()}
+        verify = _verify(named, f"kv{length}_", kv, vocab)
+        windows.append(Window(decode, tuple(sorted(prefill, key=lambda s: s.length)), kv, verify))
     return tuple(windows)
 
 

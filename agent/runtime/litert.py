@@ -49,6 +49,7 @@ from agent.runtime.prepared import (
     refuse,
 )
 from agent.runtime.runner import Runner
+from agent.runtime.speccheck import check_speculation
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ def load(
             if acc != "npu":
                 runner, kind, prepared = checks.run(runner, kind, acc, prepared, prefer_interpreter)
                 use_plan = cpu[1] if prepared.path != path else plan
+            check_speculation(runner, profile, cache_key if acc == "npu" else prepared.cache_key)
         except (OSError, RuntimeError, ValueError, AcceleratorError) as exc:
             reason = f"{acc}: {_first_line(exc)}"
             log.warning("accelerator %s unavailable (%s); falling back to %s", acc, reason, nxt)

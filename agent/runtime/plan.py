@@ -8,6 +8,7 @@ Nothing here imports numpy or LiteRT: the engine's stats and the fleet carry a `
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final
@@ -72,17 +73,34 @@ class Call:
 CALL_COST_TOKENS: Final = 8
 
 
-def plan_prefill(window: Window, n: int, start: int) -> list[Call]:
-    """Split `n` tokens starting at position `start` into the cheapest signature calls of one
-    KV window.
+def call_costs(window: Window, measured: Mapping[str, float] | None = None) -> dict[str, float]:
+    """What one call of each prefill and decode signature of `window` costs: its measured
+    mean seconds (`agent.runtime.costs`) where `measured` has it; an unmeasured one the token
+    model's ``CALL_COST_TOKENS + L`` scaled to seconds by the measured ones (the mean of their
+    measured / modelled ratios); with nothing measured, the token model itself."""
+    model = {s.key: float(CALL_COST_TOKENS + s.length) for s in (*window.prefill, window.decode)}
+    known = {k: measured[k] for k in model if measured and measured.get(k, 0.0) > 0.0}
+    if not known:
+        return model
+    scale = sum(known[k] / model[k] for k in known) / len(known)
+    return {k: known.get(k, cost * scale) for k, cost in model.items()}
 
-    A call of a signature of length L costs ``CALL_COST_TOKENS + L`` (padding included), so 63
-    tokens go through two 32-token calls rather than one padded 128-token call, and a few last
-    tokens through decode. A padded call must not run past the end of the cache (the model's
-    DYNAMIC_UPDATE_SLICE would clamp and overwrite valid rows), so near the end only shorter
-    signatures, and finally decode, qualify. Ties go to the longer signature first.
+
+def plan_prefill(
+    window: Window, n: int, start: int, measured: Mapping[str, float] | None = None
+) -> list[Call]:
+    """Split `n` tokens starting at position `start` into the cheapest signature calls of one
+    KV window (never its verify signatures).
+
+    A call costs what `call_costs` says: measured seconds once the runner has timed the
+    signature, else ``CALL_COST_TOKENS + L`` (padding included), so 63 tokens go through two
+    32-token calls rather than one padded 128-token call, and a few last tokens through decode.
+    A padded call must not run past the end of the cache (the model's DYNAMIC_UPDATE_SLICE
+    would clamp and overwrite valid rows), so near the end only shorter signatures, and finally
+    decode, qualify. Ties go to the longer signature first.
     """
     ctx = window.length
+    cost_of = call_costs(window, measured)
     candidates = sorted((*window.prefill, window.decode), key=lambda s: -s.length)
     # best[r]: (cost, signature of the first call) to prefill the last r of the n tokens
     none: tuple[float, Signature | None] = (float("inf"), None)
@@ -92,7 +110,7 @@ def plan_prefill(window: Window, n: int, start: int) -> list[Call]:
         for sig in candidates:
             if pos + sig.length > ctx:
                 continue
-            cost = CALL_COST_TOKENS + sig.length + best[r - min(r, sig.length)][0]
+            cost = cost_of[sig.key] + best[r - min(r, sig.length)][0]
             if cost < best[r][0]:
                 best[r] = (cost, sig)
     calls: list[Call] = []
@@ -143,7 +161,11 @@ def affordable_windows(
     extra = 0
     for w in auto_windows(layout.context_length):
         n = window_prefill((p.length for p in layout.prefill), w)
-        sigs = (layout.decode, *(p for p in layout.prefill if p.length == n))
+        sigs = (
+            layout.decode,
+            *(p for p in layout.prefill if p.length == n),
+            *(v for v in layout.verify if v.length < w),  # cloned too (`add_windows`)
+        )
         cost = sum(acts.get(s.key, 0) for s in sigs)
         if plan.total + extra + cost > plan.budget:
             log.info("KV window %d not added: its activations would exceed the budget", w)

@@ -1,13 +1,15 @@
 """What the engine runs a model through (`Runner`, `KVCache`), and the part both execution
-paths share (`RunnerBase`): prefill plans, decode, KV rows and KV windows on top of one
+paths share (`RunnerBase`): prefill plans, decode, verify, KV rows and KV windows on top of one
 ``_run(signature, kv, tokens, pos)`` per path (`agent.runtime.compiled`,
-`agent.runtime.interpreter`).
+`agent.runtime.interpreter`), every call timed (`agent.runtime.costs`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from time import perf_counter
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
@@ -15,11 +17,15 @@ import numpy.typing as npt
 
 from agent.errors import ModelFormatError, RuntimeFailure
 from agent.runtime import cachefiles
+from agent.runtime.costs import CallCosts
 from agent.runtime.layout import ModelLayout, Signature, Window
 from agent.runtime.plan import plan_prefill
 
+log = logging.getLogger("agent.runtime.litert")  # the load's lines keep the front door's name
+
 Logits = npt.NDArray[np.float32]
 _NEG = np.float32(-np.inf)
+VERIFY_CHECK_HEAD = 3  # rows decoded before the verify calls of `check_verify`
 
 _K = TypeVar("_K")
 
@@ -36,6 +42,13 @@ class Runner(Protocol):
 
     layout: ModelLayout
     accelerator: str
+    costs: CallCosts  # measured seconds per signature call
+
+    @property
+    def verify_lengths(self) -> tuple[int, ...]:
+        """Tokens per call of the verify signatures (N: the last accepted token and N-1
+        drafts); () when the model has none or speculation is not allowed for this load."""
+        ...
 
     def new_kv(self) -> KVCache: ...
     def reserve(self, kv: KVCache, rows: int, keep: int) -> None: ...
@@ -45,6 +58,13 @@ class Runner(Protocol):
     def decode(self, kv: KVCache, token: int, pos: int) -> Logits:
         """The next token's logits: the runner's own array, which its next call overwrites
         (copy it to keep it)."""
+        ...
+
+    def verify(self, kv: KVCache, tokens: Sequence[int], pos: int) -> Logits | None:
+        """Logits [len(tokens), vocab] of every position of `tokens` written at `pos`, as
+        `decode` one by one would give them (the runner's own array: copy it to keep it), or
+        None when no verify signature fits there (the end of the context, a window without
+        them, or none allowed)."""
         ...
 
     def close(self) -> None: ...
@@ -69,6 +89,12 @@ class RunnerBase(Generic[_K]):
     accelerator: str
     _kv_type: type[_K]
     _held: Path | None = None  # <weight cache dir>/<cache key> of the files it runs
+    _verify_ok = False  # set by `check_verify` (or `allow_verify`, a cached check)
+    verify_problem: str | None = None  # why speculation is off, when a check found a reason
+    _verify_cached: tuple[ModelLayout | None, tuple[int, ...]] = (None, ())
+
+    def __init__(self) -> None:
+        self.costs = CallCosts(self._signature_for)
 
     def hold_cache_files(self, directory: Path | None, cache_key: str | None) -> None:
         """Keep the files of `cache_key` in weight cache `directory` while this runner is open:
@@ -86,6 +112,12 @@ class RunnerBase(Generic[_K]):
 
     def _run(self, sig: Signature, kv: _K, tokens: Sequence[int], pos: int) -> None:
         raise NotImplementedError
+
+    def _call(self, sig: Signature, kv: _K, tokens: Sequence[int], pos: int) -> None:
+        """`_run`, timed into `costs`."""
+        t = perf_counter()
+        self._run(sig, kv, tokens, pos)
+        self.costs.add(sig.key, perf_counter() - t)
 
     def _logits(self, sig: Signature) -> Logits:
         """The logits output of decode signature `sig` after its run."""
@@ -144,7 +176,9 @@ class RunnerBase(Generic[_K]):
 
     def read_rows(self, kv: KVCache, rows: int) -> dict[str, npt.NDArray[Any]]:
         """A copy of the first `rows` cache rows of every KV tensor: what a spill keeps."""
-        own = self._own(kv)
+        return self._read_rows(self._own(kv), rows)
+
+    def _read_rows(self, own: _K, rows: int) -> dict[str, npt.NDArray[Any]]:
         # Always a copy: `_full` of a host cache is the live array, and a slice of it can be
         # contiguous already (one KV head), where ascontiguousarray would return a view that
         # the next user of the cache overwrites.
@@ -178,9 +212,9 @@ class RunnerBase(Generic[_K]):
     def prefill(self, kv: KVCache, tokens: Sequence[int], start: int) -> None:
         own = self._own(kv)
         self._grow(own, start + len(tokens), start)
-        for call in plan_prefill(self._window(own), len(tokens), start):
+        for call in plan_prefill(self._window(own), len(tokens), start, self.costs.means()):
             chunk = tokens[call.offset : call.offset + call.count]
-            self._run(call.signature, own, chunk, start + call.offset)
+            self._call(call.signature, own, chunk, start + call.offset)
 
     def check_windows(self, tolerance: float = 1e-3) -> str | None:
         """Run every signature of each KV window, then one decode step, on the same tokens as
@@ -199,8 +233,8 @@ class RunnerBase(Generic[_K]):
             if self._window(kv).length != window.length:
                 self._switch(kv, index, 0)
             if n:
-                self._run(next(p for p in window.prefill if p.length == n), kv, tokens[:n], 0)
-            self._run(window.decode, kv, [tokens[n]], n)
+                self._call(next(p for p in window.prefill if p.length == n), kv, tokens[:n], 0)
+            self._call(window.decode, kv, [tokens[n]], n)
             return self._logits(window.decode).copy()
 
         want: dict[int, Logits] = {}
@@ -225,5 +259,122 @@ class RunnerBase(Generic[_K]):
         own = self._own(kv)
         self._grow(own, pos + 1, pos)
         sig = self._window(own).decode
-        self._run(sig, own, [token], pos)
+        self._call(sig, own, [token], pos)
         return self._logits(sig)
+
+    # -- speculation: verify signatures ------------------------------------------------------
+    @property
+    def verify_lengths(self) -> tuple[int, ...]:
+        if not self._verify_ok:
+            return ()
+        layout, lengths = self._verify_cached
+        if layout is not self.layout:  # a load may drop the windows after the check
+            lengths = tuple(sorted({s.length for w in self.layout.all_windows() for s in w.verify}))
+            self._verify_cached = (self.layout, lengths)
+        return lengths
+
+    def allow_verify(self, problem: str | None) -> None:
+        """Take the outcome of an earlier load's `check_verify` of the same files and path
+        (None: allowed)."""
+        self._verify_ok, self.verify_problem = problem is None, problem
+
+    def verify(self, kv: KVCache, tokens: Sequence[int], pos: int) -> Logits | None:
+        lengths = self.verify_lengths
+        if not lengths:
+            return None
+        n = len(tokens)
+        if not 1 <= n <= lengths[-1]:
+            raise ValueError(f"verify takes 1..{lengths[-1]} tokens, not {n}")
+        own = self._own(kv)
+        current = self._window(own).length
+        for index, window in enumerate(self.layout.all_windows()):
+            if window.length < current:
+                continue  # a cache only moves up
+            if not window.verify:
+                return None  # no speculation in this window
+            # padded positions write rows past the real ones: they must fit the cache too
+            # (the model's DYNAMIC_UPDATE_SLICE would clamp and overwrite valid rows)
+            sig = next((s for s in window.verify if n <= s.length <= window.length - pos), None)
+            if sig is None:
+                continue
+            if window.length != current:
+                self._switch(own, index, pos)
+            self._call(sig, own, tokens, pos)
+            return self._logits(sig).reshape(sig.length, -1)[:n]
+        return None
+
+    def _signature_for(self, kv: KVCache, n: int) -> str | None:
+        """The signature `kv`'s window runs `n` tokens with now: decode for 1, else the shortest
+        verify signature holding them (what `costs.decode_s` / `verify_s` ask about)."""
+        window = self._window(self._own(kv))
+        if n == 1:
+            return window.decode.key
+        return next((s.key for s in window.verify if s.length >= n), None)
+
+    def check_verify(self) -> str | None:
+        """In every KV window with verify signatures, decode a few tokens, then run each verify
+        signature on the next ones (all its positions real, and one padded) and compare its
+        logits rows and KV rows with decode one by one on the same tokens. Speculation is
+        allowed (`verify_lengths`) only when every one is bit-identical: XNNPACK's are
+        (measured), LiteRT's builtin kernels differ by ~1e-6. The first difference as text,
+        or None."""
+        self._verify_ok, self.verify_problem = False, None
+        windows = self.layout.all_windows()
+        for index, window in enumerate(windows):
+            if window.verify:
+                try:
+                    problem = self._check_verify_window(index, window)
+                except RuntimeFailure as exc:
+                    problem = f"window kv{window.length}: {exc}"
+                if problem is not None:
+                    self.verify_problem = problem
+                    return problem
+        self._verify_ok = any(w.verify for w in windows)
+        return None
+
+    def _check_verify_window(self, index: int, window: Window) -> str | None:
+        longest = window.verify[-1].length
+        head = max(0, min(VERIFY_CHECK_HEAD, window.length - longest))
+        tokens = [(7919 * i + 11) % self.layout.vocab_size for i in range(head + longest)]
+
+        def decoded(upto: int) -> tuple[_K, list[Logits]]:
+            kv = self.new_kv()
+            if self._window(kv).length != window.length:
+                self._switch(kv, index, 0)
+            logits = []
+            for i in range(upto):
+                self._call(window.decode, kv, [tokens[i]], i)
+                logits.append(self._logits(window.decode).copy())
+            return kv, logits
+
+        ref, want = decoded(head + longest)
+        want_rows = self._read_rows(ref, head + longest)
+        kv, _ = decoded(head)
+        worst, where = 0.0, ""
+        for sig in window.verify:
+            for n in sorted({sig.length, sig.length - 1}):
+                self._call(sig, kv, tokens[head : head + n], head)
+                got = self._logits(sig).reshape(sig.length, -1)[:n]
+                err = _difference(got, np.stack(want[head : head + n])[:, : got.shape[1]])
+                rows = self._read_rows(kv, head + n)
+                for name, array in rows.items():
+                    wanted = want_rows[name][self._seq_index(name, head + n)]
+                    err = max(err, _difference(array, wanted))
+                if err > worst:
+                    worst, where = err, f"{sig.key} with {n} tokens"
+        if where:
+            return (
+                f"window kv{window.length}: {where} differs from decode one by one by "
+                f"{worst:.3g} (logits or KV rows)"
+            )
+        return None
+
+
+def _difference(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> float:
+    """0.0 when bit-identical, else the largest absolute difference (inf: NaN or shapes)."""
+    if a.shape != b.shape:
+        return float("inf")
+    if np.array_equal(a, b):
+        return 0.0
+    err = float(np.max(np.abs(a.astype(np.float64) - b)))
+    return err if err > 0.0 else float("inf")  # not equal, yet no difference: a NaN

@@ -37,6 +37,7 @@ from agent.runtime.schema import schema
 
 SHAPE_OPERAND_MAX: Final = 8  # an int32 constant this short holding L is a shape operand
 _PREFILL = re.compile(r"^prefill(?:_(\d+))?$")
+_VERIFY = re.compile(r"^verify(?:_(\d+))?$")
 _T = schema.TensorType
 _INTEGER: Final = frozenset({_T.INT32, _T.INT64})
 _DTYPES: Final = {
@@ -176,7 +177,8 @@ def _clone(
 
 
 def add_windows(model: Any, length: int, windows: tuple[int, ...], read: Reader) -> tuple[int, ...]:
-    """Add ``kv<W>_decode`` and ``kv<W>_prefill_<N>`` (N from `window_prefill`) to `model` (the
+    """Add ``kv<W>_decode``, ``kv<W>_prefill_<N>`` (N from `window_prefill`) and a
+    ``kv<W>_verify_<N>`` for each verify signature shorter than W to `model` (the
     flatbuffer object API) for each W in `windows`; the windows added. `read` returns the bytes of a
     buffer stored after the flatbuffer (a large model's). Raises `WindowsRefused` (nothing
     changed) when the graph cannot be rewritten safely."""
@@ -189,13 +191,15 @@ def add_windows(model: Any, length: int, windows: tuple[int, ...], read: Reader)
     if any(k.startswith("kv") for k in sigs):
         raise WindowsRefused("the file already has KV windows")
     prefill = {k: _tokens(model, s) for k, s in sigs.items() if _PREFILL.match(k)}
+    verify = {k: _tokens(model, s) for k, s in sigs.items() if _VERIFY.match(k)}
     subgraphs, buffers = list(model.subgraphs), list(model.buffers)
     added: list[Any] = []
     shared: dict[bytes, int] = {}
     try:
         for w in windows:
             n = window_prefill(prefill.values(), w)
-            for key in ("decode", *sorted(k for k, m in prefill.items() if m == n)[:1]):
+            fits = sorted(k for k, m in verify.items() if m < w)  # every verify length
+            for key in ("decode", *sorted(k for k, m in prefill.items() if m == n)[:1], *fits):
                 sig = copy.deepcopy(sigs[key])
                 model.subgraphs.append(
                     _clone(model, sigs[key].subgraphIndex, length, w, shared, read)

@@ -1,0 +1,76 @@
+"""What each signature call costs, measured: a running mean of seconds per signature
+(`CallCosts`), kept by `agent.runtime.runner.RunnerBase` around every call.
+
+The first call of a signature is not counted: it pays LiteRT's lazy initialisation (XNNPACK
+sets up its operators on the first run), tens of times a steady call on the SmolLM shape.
+Nothing here imports numpy or LiteRT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+# After this many calls the mean weighs new calls as an exponential moving average of this
+# span: it follows a change (a longer context, a busier machine) instead of freezing.
+SPAN: Final = 256
+
+
+class RunningMean:
+    """Count and mean of a series of seconds; `add` is a few float operations."""
+
+    __slots__ = ("count", "mean")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.mean = 0.0
+
+    def add(self, x: float) -> None:
+        self.count += 1
+        self.mean += (x - self.mean) / (self.count if self.count < SPAN else SPAN)
+
+
+class CallCosts:
+    """Per-signature running means of call seconds (the first call of each not counted).
+
+    `decode_s` / `verify_s` name the signature a cache would use now: its window's decode, the
+    shortest verify signature of its window holding `n` tokens (`signature_of` answers which).
+    """
+
+    def __init__(self, signature_of: Callable[[Any, int], str | None]) -> None:
+        self._means: dict[str, RunningMean] = {}
+        self._seen: set[str] = set()
+        self._signature_of = signature_of  # (kv, n tokens) -> key, n == 1 is decode
+
+    def add(self, key: str, seconds: float) -> None:
+        mean = self._means.get(key)
+        if mean is None:
+            if key not in self._seen:  # the first call: lazy initialisation
+                self._seen.add(key)
+                return
+            mean = self._means[key] = RunningMean()
+        mean.add(seconds)
+
+    def mean(self, key: str) -> float | None:
+        """The mean seconds of a call of signature `key`, or None before any counted call."""
+        m = self._means.get(key)
+        return m.mean if m is not None else None
+
+    def count(self, key: str) -> int:
+        m = self._means.get(key)
+        return m.count if m is not None else 0
+
+    def means(self) -> dict[str, float]:
+        """Every measured signature's mean seconds (a copy: what `plan_prefill` takes)."""
+        return {k: m.mean for k, m in self._means.items()}
+
+    def decode_s(self, kv: Any) -> float | None:
+        """The mean seconds of the decode call `kv` would make now."""
+        key = self._signature_of(kv, 1)
+        return None if key is None else self.mean(key)
+
+    def verify_s(self, kv: Any, n: int) -> float | None:
+        """The mean seconds of the verify call of `n` tokens `kv` would make now (None: none
+        measured, or no verify signature of its window holds `n`)."""
+        key = self._signature_of(kv, n) if n > 1 else None
+        return None if key is None else self.mean(key)
