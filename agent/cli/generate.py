@@ -38,7 +38,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     request = GenerateRequest(
-        prompt=args.prompt, max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop)
+        prompt=args.prompt,
+        max_tokens=args.max_tokens,
+        sampling=sampling,
+        stop=tuple(args.stop),
+        speculation=args.speculation,  # None: the profile's generation.speculation
     )
     cancel = threading.Event()
     text: list[str] = []
@@ -78,18 +82,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "accelerator": stats.accelerator,
                 "prompt_tokens": stats.prompt_tokens,
                 "generated_tokens": stats.generated_tokens,
+                # speculative decoding: drafts checked, accepted, and the verify calls
+                "drafted_tokens": stats.drafted_tokens,
+                "accepted_tokens": stats.accepted_tokens,
+                "acceptance": round(stats.acceptance, 3),
+                "verify_calls": stats.verify_calls,
             },
         }
         if last.error:
             doc["error"] = last.error
         print(json.dumps(doc, ensure_ascii=False))
     else:
+        spec = (
+            f", {stats.accepted_tokens}/{stats.drafted_tokens} drafts accepted"
+            if stats.drafted_tokens
+            else ""
+        )
         print()
         print(
             f"[{stats.generated_tokens} tokens, {last.finish_reason}; ttft {stats.ttft_ms:.1f} ms, "
             f"prefill {stats.prefill_tok_s:.0f} tok/s, decode {stats.decode_tok_s:.0f} tok/s, "
             f"{stats.accelerator}, {engine.info.name} {engine.info.quantization}, "
-            f"profile {engine.profile.name}]",
+            f"profile {engine.profile.name}{spec}]",
             file=sys.stderr,
         )
     engine.close()
@@ -111,4 +125,11 @@ def add_generate_parser(subparsers: argparse._SubParsersAction[argparse.Argument
     )
     p.add_argument("--quantization", help="pick this variant instead of the profile's choice")
     _sampling_args(p)
+    p.add_argument(
+        "--speculation",
+        choices=("off", "ngram", "draft"),
+        help="speculative decoding: off, or ngram (drafts from the prompt and the text so far;"
+        " the output is the same); default: the profile's generation.speculation. draft (a"
+        " second model) is not available yet",
+    )
     p.set_defaults(func=cmd_generate)

@@ -280,6 +280,9 @@ def _common(
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise _bad("stream_options", "stream_options must be an object")
+    speculation = body.get("speculation")  # an extension: "off" | "ngram" (docs/API.md)
+    if speculation is not None and not isinstance(speculation, str):
+        raise _bad("speculation", "speculation must be a string: 'off' or 'ngram'")
     include_usage = _flag(options or {}, "include_usage")
     if include_usage and not stream:
         raise _bad("stream_options", "stream_options is only allowed when stream is true")
@@ -290,6 +293,7 @@ def _common(
         "session_id": session,
         "owner": owner,
         "constraint": _constraint(body),
+        "speculation": speculation,  # the engine checks the value (a 400 naming it)
     }
     return fields, stream, include_usage
 
@@ -333,11 +337,17 @@ def completion_request(
 def usage(stats: RequestStats | None) -> dict[str, Any]:
     prompt = stats.prompt_tokens if stats else 0
     completion = stats.generated_tokens if stats else 0
+    accepted = stats.accepted_tokens if stats else 0
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": stats.cached_tokens if stats else 0},
+        # OpenAI's names for predicted tokens: here the drafts of speculative decoding
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": (stats.drafted_tokens if stats else 0) - accepted,
+        },
     }
 
 

@@ -80,6 +80,7 @@ def to_request(
         tools=tools,
         tool_choice=choice,
         tool_name=name,
+        speculation=msg.speculation or None,  # the engine checks it (agent.engine.speculation)
     )
 
 
@@ -178,6 +179,9 @@ def to_response(
                     queue_ms=s.queue_ms,
                     cached_tokens=s.cached_tokens,
                     truncated_tokens=s.truncated_tokens,
+                    drafted_tokens=s.drafted_tokens,
+                    accepted_tokens=s.accepted_tokens,
+                    verify_calls=s.verify_calls,
                 )
             )
     return r
@@ -225,6 +229,8 @@ def status_message(st: AgentStatus) -> pb.AgentStatus:
         state=st.state,
         model=st.model,
         nonfinite_logits=e.nonfinite_logits,
+        drafted_tokens=e.drafted_tokens,
+        accepted_tokens=e.accepted_tokens,
     )
     if st.kv is not None:
         msg.kv.CopyFrom(tiers_message(st.kv))
