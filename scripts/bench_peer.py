@@ -30,13 +30,20 @@ Sections:
   LiteRT-LM session kept alive in its process (976 tokens of history: LiteRT-LM cannot prefill
   closer to the end of the 1024-row cache);
 * ``continue4096``: the same with exactly 1,000 tokens of history on the KV-4096 model.
+* ``spec``: speculative decoding (prompt lookup) on the bundled demo model: decode tok/s with
+  and without it and LiteRT-LM's, on prompts grounded in their input (a held-out stdlib file
+  to continue again) and open-ended ones; acceptance, tokens per verify call, same tokens.
+* ``verify-cost``: a verify call of each length against a decode step (the demo model and a
+  SmolLM-shaped one with verify signatures 4/8/16), and the acceptance that breaks even.
 
 Writes docs/bench/peer.json, a section of docs/PERFORMANCE.md and docs/bench/peer.png. What
 is missing is skipped and said so: the toolchain extra (to build the models), the ``peer``
 extra (litert-lm-api, litert-lm-builder), the ``bench`` extra (matplotlib, for the plot).
 
+Sections: main, main-windows, windows, continue, continue4096, spec, verify-cost.
+
     python scripts/bench_peer.py [--rounds 3] [--tokens 128] [--threads 2 --threads 1]
-                                 [--only main|main-windows|windows|continue|continue4096]
+                                 [--only SECTION ...]
                                  [--no-write] [--report-only]
 """
 
@@ -60,6 +67,7 @@ from scripts._report import write_section  # noqa: E402
 from scripts.peer.report import plot, report  # noqa: E402
 from scripts.peer.section_continue import run_continue  # noqa: E402
 from scripts.peer.section_main import run_main  # noqa: E402
+from scripts.peer.section_spec import run_spec, run_verify_cost  # noqa: E402
 from scripts.peer.section_windows import run_windows  # noqa: E402
 from scripts.peer.spec import (  # noqa: E402
     HISTORY_4096,
@@ -116,6 +124,8 @@ def main() -> None:
         "continue4096": functools.partial(
             run_continue, section="continue4096", spec=WINDOW_MODEL, history=HISTORY_4096
         ),
+        "spec": run_spec,
+        "verify-cost": run_verify_cost,
     }
     saved_path = ROOT / "docs" / "bench" / "peer.json"
     saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}

@@ -43,7 +43,8 @@ def spawn(engine: str, **kw: Any) -> dict[str, Any]:
     """Run one worker in a fresh process; its RESULT line."""
     extra = (int(kw.get("history") or HISTORY), int(kw.get("prompt") or 64))
     lengths = {64, *PROMPTS, TURN + 1, *extra}
-    kw["prompts"] = prompts_file(str(kw["model"]), tuple(sorted(lengths)))
+    if "prompts" not in kw:  # a section with prompts of its own passes their file
+        kw["prompts"] = prompts_file(str(kw["model"]), tuple(sorted(lengths)))
     cmd = [sys.executable, str(ENTRY), "--worker", engine]
     for k, v in kw.items():
         if v is True:

@@ -7,6 +7,7 @@ from typing import Any
 
 from scripts.peer.section_continue import md_continue
 from scripts.peer.section_main import md_main
+from scripts.peer.section_spec import md_spec, md_verify_cost
 from scripts.peer.section_windows import md_windows
 from scripts.peer.spec import ENGINES, NAMES, have
 
@@ -93,6 +94,8 @@ def report(res: dict[str, Any]) -> str:
         ("windows", "KV windows: decode cost follows the used context", md_windows),
         ("continue", "Continuing a conversation", md_continue),
         ("continue4096", "Continuing a 1,000-token conversation on the KV-4096 model", md_continue),
+        ("spec", "Speculative decoding (prompt lookup) on the demo model", md_spec),
+        ("verify-cost", "What a verify call costs against a decode step", md_verify_cost),
     )
     for key, title, md in sections:
         part = res.get(key)

@@ -50,7 +50,7 @@ TURN = 16
 # On the KV-4096 model (windows 256/1024) the conversation is exactly 1,000 tokens: 999 of
 # prompt plus the answer's one; LiteRT-LM runs that file's full-length signatures.
 HISTORY_4096 = 999
-SECTIONS = ("main", "main-windows", "windows", "continue", "continue4096")
+SECTIONS = ("main", "main-windows", "windows", "continue", "continue4096", "spec", "verify-cost")
 WINDOW_USED = (128, 1000, 3000)  # used context (prompt + decoded) for the windows section
 WINDOW_DECODE = 64
 NAMES = {"edge": "edge-agent in-process", "grpc": "edge-agent via gRPC", "litertlm": "LiteRT-LM"}

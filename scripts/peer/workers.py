@@ -26,8 +26,9 @@ def peak_rss_mib(pid: int | str = "self") -> float:
 _PROMPTS: dict[str, str] = {}  # a worker's prompt texts by token count, from `prompts_file`
 
 
-def prompt_text(n: int) -> str:
-    """Text of about `n` tokens (the BOS the engine adds included): source code of this repo."""
+def prompt_text(n: int | str) -> str:
+    """Text of about `n` tokens (the BOS the engine adds included): source code of this repo;
+    or the prompt of that key (the speculation sections' prompts)."""
     return _PROMPTS[str(n)]
 
 
@@ -221,7 +222,9 @@ def worker_litertlm(a: argparse.Namespace) -> dict[str, Any]:
 def worker_main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("engine", choices=ENGINES)
-    ap.add_argument("--task", choices=("main", "window", "continue"), default="main")
+    ap.add_argument(
+        "--task", choices=("main", "window", "continue", "spec", "verify"), default="main"
+    )
     ap.add_argument("--model", required=True)
     ap.add_argument("--quant", required=True)
     ap.add_argument("--profile", required=True)
@@ -233,7 +236,17 @@ def worker_main(argv: list[str]) -> None:
     ap.add_argument("--cold", action="store_true", help="litertlm: start with an empty cache")
     ap.add_argument("--history", type=int, default=HISTORY)
     ap.add_argument("--prompts", required=True, help="JSON of prompt texts (prompts_file)")
+    ap.add_argument("--keys", default="", help="spec: the prompts to decode, by key")
+    ap.add_argument("--speculation", default="off", help="spec: edge-agent's speculation")
     a = ap.parse_args(argv)
     _PROMPTS.update(json.loads(Path(a.prompts).read_text()))
     fn = {"edge": worker_edge, "grpc": worker_grpc, "litertlm": worker_litertlm}[a.engine]
+    if a.task in ("spec", "verify"):
+        from scripts.peer import workers_spec
+
+        fn = {
+            ("edge", "spec"): workers_spec.spec_edge,
+            ("litertlm", "spec"): workers_spec.spec_litertlm,
+            ("edge", "verify"): workers_spec.verify_cost,
+        }[(a.engine, a.task)]
     print("RESULT " + json.dumps(fn(a)), flush=True)
