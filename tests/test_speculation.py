@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -458,3 +459,308 @@ def test_fake_stop_inside_a_block() -> None:
         spec = run_fake(prompt, speculate=True, max_tokens=n)
         same(run_fake(prompt, speculate=False, max_tokens=n), spec)
         assert spec.finish == "length" and spec.tokens == full.tokens[:n]
+
+
+# ---------------------------------------------------------------------- end to end, real models
+
+VERIFY = (4, 8)
+# input-grounded prompts (the answer can copy them) and one that is not
+PROMPTS = (
+    "def main():\n    return 1\ndef main():\n",
+    "self def return self def return self",
+    "The user is",
+    "abc abc abc abc abc abc abc abc",
+)
+
+
+@pytest.fixture
+def always(monkeypatch):  # type: ignore[no-untyped-def]
+    """Speculate whenever a draft exists (the measured costs of a tiny model may say no): the
+    identity tests then exercise the speculative step on every draft."""
+    import agent.engine.speculation as speculation
+
+    monkeypatch.setattr(speculation, "MARGIN", 0.0)
+
+
+def open_engine(model_dir, dev_profile_data, quantization="fp32", **kw):  # type: ignore[no-untyped-def]
+    from agent.engine.engine import Engine
+    from agent.profile import parse_profile, profiles_dir
+
+    profile = parse_profile(dev_profile_data, profiles_dir() / "generic-x86_64.toml")
+    return Engine(profile, model_dir, quantization=quantization, **kw)
+
+
+def pair(engine, **kw):  # type: ignore[no-untyped-def]
+    """The same request with speculation off and on: (plain, speculative) completions."""
+    from agent.engine.types import GenerateRequest
+
+    kw.setdefault("max_tokens", None)  # to a stop id or the end of the 64-row context
+    kw.setdefault("sampling", SamplingParams())
+    off = engine.complete(GenerateRequest(speculation="off", **kw))
+    on = engine.complete(GenerateRequest(speculation="ngram", **kw))
+    assert off.stats.drafted_tokens == 0
+    return off, on
+
+
+def identical(off, on) -> None:  # type: ignore[no-untyped-def]
+    assert on.token_ids == off.token_ids
+    assert on.text == off.text
+    assert on.finish_reason == off.finish_reason
+
+
+@pytest.fixture(scope="module")
+def verify_dir(tiny_model_factory) -> Path:  # type: ignore[no-untyped-def]
+    return tiny_model_factory.model_dir(prefill_lens=(8,), kv_max=64, verify_lens=VERIFY)
+
+
+@pytest.mark.parametrize("quantization", ["fp32", "int8"])
+def test_greedy_identical_on_a_real_model(  # type: ignore[no-untyped-def]
+    verify_dir, dev_profile_data, quantization, always
+) -> None:
+    engine = open_engine(verify_dir, dev_profile_data, quantization)
+    try:
+        assert engine.loaded.runner.verify_lengths == VERIFY
+        accepted = 0
+        for prompt in PROMPTS:
+            off, on = pair(engine, prompt=prompt)
+            identical(off, on)
+            assert on.stats.drafted_tokens > 0 and on.stats.verify_calls > 0
+            accepted += on.stats.accepted_tokens
+            assert on.stats.accepted_tokens <= on.stats.drafted_tokens
+        assert accepted > 0  # drafts held somewhere: the test cannot pass on rejections only
+        totals = engine.stats()
+        assert totals.drafted_tokens > 0 and totals.accepted_tokens == accepted
+    finally:
+        engine.close()
+
+
+def test_sampling_stops_and_limits_identical(verify_dir, dev_profile_data, always) -> None:  # type: ignore[no-untyped-def]
+    engine = open_engine(verify_dir, dev_profile_data)
+    try:
+        for seed in (1, 2, 3):
+            for sampling in (
+                SamplingParams(temperature=0.8, seed=seed),
+                SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=seed),
+            ):
+                off, on = pair(engine, prompt=PROMPTS[0], sampling=sampling)
+                identical(off, on)
+                assert on.stats.drafted_tokens > 0
+        full = pair(engine, prompt=PROMPTS[1], max_tokens=30)[1]
+        assert full.stats.accepted_tokens > 0 and len(full.text) > 12
+        for cut in (2, 5, 9):
+            stop = full.text[cut : cut + 3]
+            off, on = pair(engine, prompt=PROMPTS[1], max_tokens=30, stop=(stop,))
+            identical(off, on)
+            assert on.finish_reason == "stop" and on.text == full.text[: full.text.find(stop)]
+        for n in (1, 2, 3, 6, 11):
+            off, on = pair(engine, prompt=PROMPTS[1], max_tokens=n)
+            identical(off, on)
+            assert on.token_ids == full.token_ids[:n] and on.finish_reason == "length"
+    finally:
+        engine.close()
+
+
+def test_context_end_inside_a_block(verify_dir, dev_profile_data, always) -> None:  # type: ignore[no-untyped-def]
+    engine = open_engine(verify_dir, dev_profile_data)
+    try:
+        # no max_tokens: generation runs to the end of the 64-row context
+        off, on = pair(engine, prompt=PROMPTS[3], max_tokens=None)
+        identical(off, on)
+        assert on.finish_reason == "length" and on.stats.verify_calls > 0
+    finally:
+        engine.close()
+
+
+def test_kv_windows_identical(tiny_model_factory, dev_profile_data, always) -> None:  # type: ignore[no-untyped-def]
+    d = tiny_model_factory.model_dir(
+        quantizations=("fp32",),
+        prefill_lens=(8,),
+        kv_max=64,
+        verify_lens=VERIFY,
+        decode_windows=(16, 32),
+    )
+    engine = open_engine(d, dev_profile_data)
+    try:
+        assert engine.loaded.runner.verify_lengths == VERIFY
+        for prompt in PROMPTS:
+            off, on = pair(engine, prompt=prompt, max_tokens=None)  # through every window
+            identical(off, on)
+            assert on.stats.drafted_tokens > 0
+    finally:
+        engine.close()
+
+
+def test_session_turns_identical(verify_dir, dev_profile_data, always) -> None:  # type: ignore[no-untyped-def]
+    """A conversation continued over turns: each turn's answer, and the session's tokens
+    (what the next turn and a spill keep), are those of plain decoding."""
+    from agent.engine.types import GenerateRequest
+
+    engine = open_engine(verify_dir, dev_profile_data)
+    try:
+        sids = {mode: engine.create_session() for mode in ("off", "ngram")}
+        drafted = 0
+        for turn in ("abc abc abc", " self def return", " abc abc"):
+            got = {
+                mode: engine.complete(
+                    GenerateRequest(
+                        turn,
+                        max_tokens=12,
+                        sampling=SamplingParams(),
+                        session_id=sid,
+                        speculation=mode,
+                    )
+                )
+                for mode, sid in sids.items()
+            }
+            identical(got["off"], got["ngram"])
+            drafted += got["ngram"].stats.drafted_tokens
+            assert engine.session_tokens(sids["off"]) == engine.session_tokens(sids["ngram"])
+        assert drafted > 0
+    finally:
+        engine.close()
+
+
+def test_constrained_identical(verify_dir, dev_profile_data, always) -> None:  # type: ignore[no-untyped-def]
+    from agent.engine.types import Constraint
+
+    engine = open_engine(verify_dir, dev_profile_data)
+    try:
+        constraint = Constraint("regex", "(abc )+(def )+")
+        for sampling in (SamplingParams(), SamplingParams(temperature=0.9, seed=5)):
+            off, on = pair(
+                engine, prompt=PROMPTS[3], constraint=constraint, sampling=sampling, max_tokens=30
+            )
+            identical(off, on)
+            assert on.stats.drafted_tokens > 0
+    finally:
+        engine.close()
+
+
+def test_off_and_draft_and_no_verify_signatures(  # type: ignore[no-untyped-def]
+    verify_dir, tiny_model_dir, dev_profile_data
+) -> None:
+    from agent.engine.types import GenerateRequest
+
+    engine = open_engine(verify_dir, dev_profile_data)
+    try:
+        with pytest.raises(InvalidRequest, match="not available"):
+            engine.complete(GenerateRequest(PROMPTS[0], speculation="draft"))
+        with pytest.raises(InvalidRequest, match="allowed"):
+            engine.complete(GenerateRequest(PROMPTS[0], speculation="on"))
+    finally:
+        engine.close()
+    plain = open_engine(tiny_model_dir, dev_profile_data)
+    try:
+        assert plain.loaded.runner.verify_lengths == ()
+        c = plain.complete(GenerateRequest(PROMPTS[0], max_tokens=20, speculation="ngram"))
+        assert c.stats.drafted_tokens == c.stats.verify_calls == 0 and c.token_ids
+    finally:
+        plain.close()
+
+
+# ---------------------------------------------------------------------- the API surfaces
+
+
+def test_cli_generate_speculation_and_json_stats(verify_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from agent.profile import profiles_dir
+
+    def generate(*extra: str) -> subprocess.CompletedProcess[str]:
+        args = [sys.executable, "-m", "agent", "generate", PROMPTS[3], "--json"]
+        args += ["--profile", str(profiles_dir() / "generic-x86_64.toml")]
+        args += ["--model", str(verify_dir), "--quantization", "fp32", "--temperature", "0"]
+        env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+        return subprocess.run(
+            [*args, "--max-tokens", "24", *extra], capture_output=True, text=True, env=env
+        )
+
+    runs = {mode: generate("--speculation", mode) for mode in ("off", "ngram")}
+    docs = {}
+    for mode, r in runs.items():
+        assert r.returncode == 0, r.stderr
+        docs[mode] = json.loads(r.stdout)
+    assert docs["off"]["tokens"] == docs["ngram"]["tokens"]
+    off, on = docs["off"]["stats"], docs["ngram"]["stats"]
+    assert off["drafted_tokens"] == off["verify_calls"] == 0 and off["acceptance"] == 0
+    # a fresh process: decode is measured first, then an unmeasured verify signature is tried
+    assert on["drafted_tokens"] > 0 and on["verify_calls"] > 0
+    assert on["acceptance"] == round(on["accepted_tokens"] / on["drafted_tokens"], 3)
+    bad = generate("--speculation", "draft")
+    assert bad.returncode == 2 and "not available" in bad.stderr
+
+
+def test_grpc_conversions() -> None:
+    from types import SimpleNamespace
+
+    from agent.engine.types import RequestStats
+    from agent.pb.edge_agent.v1 import agent_pb2 as pb
+    from agent.profile.schema import GenerationDefaults
+    from agent.rpc.convert import to_request, to_response
+
+    engine = SimpleNamespace(profile=SimpleNamespace(generation=GenerationDefaults(8, 0, 0, 1, 64)))
+    msg = pb.GenerateRequest(prompt="x", speculation="off")
+    assert to_request(msg, engine, 100).speculation == "off"  # type: ignore[arg-type]
+    assert to_request(pb.GenerateRequest(prompt="x"), engine, 100).speculation is None  # type: ignore[arg-type]
+    stats = RequestStats(
+        3, 9, 1.0, 1.0, 1.0, 1.0, 1.0, "x", drafted_tokens=12, accepted_tokens=5, verify_calls=4
+    )
+    r = to_response(TokenEvent("", finish_reason="stop", stats=stats), "r1")
+    assert (r.stats.drafted_tokens, r.stats.accepted_tokens, r.stats.verify_calls) == (12, 5, 4)
+
+
+def test_http_conversions() -> None:
+    from types import SimpleNamespace
+
+    from agent.engine.types import RequestStats
+    from agent.http.convert import completion_request, usage
+    from agent.http.errors import HttpError
+    from agent.profile.schema import GenerationDefaults
+
+    engine = SimpleNamespace(profile=SimpleNamespace(generation=GenerationDefaults(8, 0, 0, 1, 64)))
+    got = completion_request({"prompt": "x", "speculation": "ngram"}, engine, 100)  # type: ignore[arg-type]
+    assert got.request.speculation == "ngram"
+    assert completion_request({"prompt": "x"}, engine, 100).request.speculation is None  # type: ignore[arg-type]
+    with pytest.raises(HttpError) as info:
+        completion_request({"prompt": "x", "speculation": 1}, engine, 100)  # type: ignore[arg-type]
+    assert info.value.param == "speculation"
+    stats = RequestStats(3, 9, 1.0, 1.0, 1.0, 1.0, 1.0, "x", drafted_tokens=12, accepted_tokens=5)
+    assert usage(stats)["completion_tokens_details"] == {
+        "accepted_prediction_tokens": 5,
+        "rejected_prediction_tokens": 7,
+    }
+
+
+# ---------------------------------------------------------------------- every family
+
+try:
+    from tests.families import VERIFY_COMBOS, VerifyFamilyFactory
+except ImportError:  # the matrix without verify variants (an older checkout)
+    VERIFY_COMBOS, VerifyFamilyFactory = (), None  # type: ignore[assignment]
+
+
+@pytest.fixture(scope="module")
+def verify_families(tmp_path_factory):  # type: ignore[no-untyped-def]
+    from tests import families
+
+    return VerifyFamilyFactory(families.cache_root() or tmp_path_factory.mktemp("families"))
+
+
+@pytest.mark.parametrize("combo", VERIFY_COMBOS, ids=lambda c: c.family)
+def test_every_family_identical(verify_families, combo, dev_profile_data, always) -> None:  # type: ignore[no-untyped-def]
+    """Greedy and seeded sampling, speculation on and off, on each family's verify file: the
+    same tokens (a verify call's first row is always sampled, so even a rejected draft tests
+    the verify logits against decode's)."""
+    d = verify_families.model_dir(combo, ("fp32",))
+    engine = open_engine(d, dev_profile_data)
+    try:
+        assert engine.loaded.runner.verify_lengths, "the load check refused speculation"
+        for sampling in (SamplingParams(), SamplingParams(temperature=0.9, seed=4)):
+            off, on = pair(engine, prompt=PROMPTS[1], max_tokens=24, sampling=sampling)
+            identical(off, on)
+            assert on.stats.verify_calls > 0
+    finally:
+        engine.close()

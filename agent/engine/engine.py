@@ -35,6 +35,7 @@ from agent.engine.sampler import Sampler
 from agent.engine.scheduler import Scheduler
 from agent.engine.sessioncalls import SessionCalls
 from agent.engine.sessions import SessionStore, open_disk_tier
+from agent.engine.speculation import speculator_for
 from agent.engine.stats import EngineStats, Tally
 from agent.engine.types import Completion, GenerateRequest, RequestStats, TokenEvent
 from agent.errors import AgentError, NonFiniteLogits, Overloaded, SessionLost, Unavailable
@@ -301,6 +302,12 @@ class Engine(SessionCalls):
                 cancel=p.handle.cancel_event,
                 deadline=p.deadline,
                 queued_at=p.handle.submitted_at,
+                # drafts come from the whole conversation: a session's history is in its KV
+                speculator=speculator_for(
+                    p.speculation,
+                    self.loaded.runner,
+                    (p.session.tokens[: p.session.kv_len] if p.session is not None else []) + p.ids,
+                ),
             )
 
     def _fail_admitted(self, p: Prepared, error: str) -> None:
