@@ -192,6 +192,7 @@ def test_acceptance_is_tracked_per_match_length() -> None:
     spec._orders[0].checked = 50.0  # unigram drafts: 0 of 50 held
     generated = [7, 8, 7]  # only "7" occurred before
     assert spec.propose(None, generated, 100) == ()
+    spec._wait = 0  # past the back-off that decline started
     generated += [1, 2, 3, 1, 2, 3]
     assert spec.propose(None, generated, 100) == (1, 2, 3)  # its prior: verify_4 is best
 

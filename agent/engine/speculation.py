@@ -14,11 +14,12 @@ The acceptance is measured per request and per match length of the drafter
 (`agent.engine.drafts`: a 3-token match predicts better than a 1-token one): an exponentially
 weighted count of accepted and checked drafts (`DECAY` per verify call, so a document quoted
 mid-answer turns speculation back on) over a prior of `PRIOR_ACCEPTED` / `PRIOR_CHECKED`. When
-the policy declines (open-ended text: the drafts keep failing) it stops looking for
-`interval` draft-bearing steps, then probes once with the cheapest verify signature, doubling
-the interval up to `PROBE_MAX` while the probes fail: a failed probe costs ``cN - c1`` once per
-that many steps, which keeps open-ended text within a few percent of plain decoding. A step
-with no draft costs one dict lookup. A signature not measured yet (its first call pays lazy
+the policy declines (open-ended text: the drafts keep failing) it stops looking for drafts for
+`PROBE_MIN` decode steps, then probes once with the cheapest verify signature at the next
+decline, doubling the wait up to `PROBE_MAX` steps while the probes fail: a failed probe costs
+``cN - c1`` once per that many steps, which keeps open-ended text within a few percent of plain
+decoding. Backing off costs the index update alone (~0.5 us per token); a step with no draft,
+a few dict lookups more. A signature not measured yet (its first call pays lazy
 initialisation and is not counted) is assumed to cost what decode does, so it gets measured.
 """
 
@@ -78,13 +79,10 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 @dataclass(slots=True)
 class _Order:
-    """Acceptance of the drafts found by one match length, and its back-off state."""
+    """Acceptance of the drafts found by one match length."""
 
     accepted: float = 0.0
     checked: float = 0.0
-    wait: int = 0  # draft-bearing steps to skip before looking again
-    due: bool = False  # the wait ran out: the next decline probes
-    interval: int = PROBE_MIN
 
     def acceptance(self) -> float:
         return (self.accepted + PRIOR_ACCEPTED) / (self.checked + PRIOR_CHECKED)
@@ -103,43 +101,47 @@ class Speculator:
         self._seen = 0  # generated tokens already in the index
         self._orders = [_Order() for _ in range(MAX_NGRAM)]
         self._order = 0  # match length of the last proposal
+        self._wait = 0  # decode steps to go without looking for drafts (backing off)
+        self._due = False  # the policy declined before: the next decline probes
+        self._interval = PROBE_MIN
         self.drafted = 0
         self.accepted = 0
         self.verify_calls = 0
 
     def propose(self, kv: KVCache, generated: Sequence[int], budget: int) -> tuple[int, ...]:
         """Drafts for the next step: at most `budget` (tokens the request may still emit,
-        minus the one every step emits), or () for a plain decode step."""
-        if not self._lengths or budget < 1:
-            return ()
+        minus the one every step emits), or () for a plain decode step. Runs before every
+        decode step, so the common cases (backing off, no draft) are a few operations."""
         look = self._lookup
         if look is None:
             look = self._lookup = PromptLookup(self._history)
             self._history = ()
-        if self._seen < len(generated):
-            look.extend(generated[self._seen :])
+        seen = self._seen
+        if seen < len(generated):
+            if seen + 1 == len(generated):
+                look.append(generated[seen])
+            else:
+                look.extend(generated[seen:])
             self._seen = len(generated)
+        if self._wait > 0:
+            self._wait -= 1
+            return ()
+        if budget < 1 or not self._lengths:
+            return ()
         order, draft = look.draft(min(self._max_k, budget))
         if not draft:
             return ()
-        st = self._orders[order - 1]
-        if st.wait > 0:
-            st.wait -= 1
-            if st.wait == 0:
-                st.due = True
-            return ()
-        k = self._choose(kv, st.acceptance(), len(draft))
+        k = self._choose(kv, self._orders[order - 1].acceptance(), len(draft))
         if k == 0:
-            if not st.due:  # back off; when the wait runs out, probe
-                st.wait = st.interval
+            if not self._due:  # back off; after the wait, a decline probes
+                self._wait, self._due = self._interval, True
                 return ()
             # probe: the cheapest verify signature, to see whether the drafts hold now
-            st.due = False
-            st.interval = min(2 * st.interval, PROBE_MAX)
-            st.wait = st.interval
+            self._interval = min(2 * self._interval, PROBE_MAX)
+            self._wait = self._interval
             k = min(self._lengths[0] - 1, len(draft))
         else:
-            st.due, st.interval = False, PROBE_MIN
+            self._due, self._interval = False, PROBE_MIN
         self._order = order
         return draft[:k]
 
