@@ -377,3 +377,19 @@ def test_model_inspect_shows_verify_signatures_and_the_load_check(
     assert off["llm"]["speculation"]["allowed"] is False
     assert "differs from decode one by one" in off["llm"]["speculation"]["reason"]
     assert "; speculation off: window kv64: verify_" in format_report(off)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "window", "want"),
+    [
+        ((32, 128, 512), 256, (32,)),  # short windows: one length, for memory
+        ((32, 128, 512), 512, (32, 128)),  # a 448-token prompt: 3 x 128 + 2 x 32, not 14 x 32
+        ((8, 32, 128, 512), 1024, (32, 128)),
+        ((8, 32, 128, 512), 2048, (32, 512)),
+        ((32,), 1024, (32,)),  # nothing longer
+        ((32, 128), 32, ()),  # none shorter than the window
+    ],
+)
+def test_windows_of_512_rows_or_more_get_a_longer_prefill(lengths, window, want) -> None:
+    assert kv_layout.window_prefills(lengths, window) == want
+    assert kv_layout.window_prefills(iter(lengths), window) == want  # any iterable

@@ -49,8 +49,9 @@ _CACHE_FILE = re.compile(
 # Bumped whenever `prepare_file` writes a different file for the same input, so that a copy
 # an older edge-agent left in the weight cache directory is made again, not reused. 4: the
 # attention composite is no longer inlined (p3 copies of one-KV-head default-layout models
-# computed something else), and every copy is checked against the original file.
-PREPARED_FORMAT: Final = 4
+# computed something else), and every copy is checked against the original file. 5: windows
+# of 512 rows or more get a second, longer prefill length, and every window the verify graphs.
+PREPARED_FORMAT: Final = 5
 
 
 def _keep_files(cache_key: str) -> set[str]:

@@ -15,7 +15,7 @@ from typing import Final
 
 from agent.errors import BudgetError, RuntimeFailure
 from agent.profile import DeviceProfile
-from agent.runtime.layout import ModelLayout, Signature, Window, auto_windows, window_prefill
+from agent.runtime.layout import ModelLayout, Signature, Window, auto_windows, window_prefills
 from agent.runtime.legacy import LEGACY_BACKEND
 from agent.runtime.modelinfo import ModelFile
 
@@ -160,10 +160,10 @@ def affordable_windows(
     chosen: list[int] = []
     extra = 0
     for w in auto_windows(layout.context_length):
-        n = window_prefill((p.length for p in layout.prefill), w)
+        ns = window_prefills((p.length for p in layout.prefill), w)
         sigs = (
             layout.decode,
-            *(p for p in layout.prefill if p.length == n),
+            *(p for p in layout.prefill if p.length in ns),
             *(v for v in layout.verify if v.length < w),  # cloned too (`add_windows`)
         )
         cost = sum(acts.get(s.key, 0) for s in sigs)

@@ -1,6 +1,6 @@
-"""Give a single-length export KV windows at load time: its ``decode`` graph and one
-``prefill_<N>`` graph (`agent.runtime.layout.window_prefill`) cloned over shorter KV lengths,
-sharing every weight.
+"""Give a single-length export KV windows at load time: its ``decode`` graph, one
+``prefill_<N>`` graph (two in a window of 512 rows or more: `agent.runtime.layout.window_prefills`)
+and its verify graphs cloned over shorter KV lengths, sharing every weight.
 
 A file exported with windows (`agent.toolchain.export`, ``decode_windows``) holds
 ``kv<W>_decode`` and ``kv<W>_prefill_<N>`` beside the full-length signatures, and the runtime
@@ -32,7 +32,7 @@ from typing import Any, Final
 import numpy as np
 
 from agent.errors import ModelFormatError
-from agent.runtime.layout import window_prefill
+from agent.runtime.layout import window_prefills
 from agent.runtime.schema import schema
 
 SHAPE_OPERAND_MAX: Final = 8  # an int32 constant this short holding L is a shape operand
@@ -177,7 +177,7 @@ def _clone(
 
 
 def add_windows(model: Any, length: int, windows: tuple[int, ...], read: Reader) -> tuple[int, ...]:
-    """Add ``kv<W>_decode``, ``kv<W>_prefill_<N>`` (N from `window_prefill`) and a
+    """Add ``kv<W>_decode``, ``kv<W>_prefill_<N>`` (N from `window_prefills`) and a
     ``kv<W>_verify_<N>`` for each verify signature shorter than W to `model` (the
     flatbuffer object API) for each W in `windows`; the windows added. `read` returns the bytes of a
     buffer stored after the flatbuffer (a large model's). Raises `WindowsRefused` (nothing
@@ -197,9 +197,10 @@ def add_windows(model: Any, length: int, windows: tuple[int, ...], read: Reader)
     shared: dict[bytes, int] = {}
     try:
         for w in windows:
-            n = window_prefill(prefill.values(), w)
+            lengths = window_prefills(prefill.values(), w)
+            chosen = [sorted(k for k, m in prefill.items() if m == n)[0] for n in lengths]
             fits = sorted(k for k, m in verify.items() if m < w)  # every verify length
-            for key in ("decode", *sorted(k for k, m in prefill.items() if m == n)[:1], *fits):
+            for key in ("decode", *chosen, *fits):
                 sig = copy.deepcopy(sigs[key])
                 model.subgraphs.append(
                     _clone(model, sigs[key].subgraphIndex, length, w, shared, read)
