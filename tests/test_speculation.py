@@ -605,7 +605,7 @@ def test_session_turns_identical(verify_dir, dev_profile_data, always) -> None: 
                 mode: engine.complete(
                     GenerateRequest(
                         turn,
-                        max_tokens=12,
+                        max_tokens=8,
                         sampling=SamplingParams(),
                         session_id=sid,
                         speculation=mode,
@@ -616,7 +616,29 @@ def test_session_turns_identical(verify_dir, dev_profile_data, always) -> None: 
             identical(got["off"], got["ngram"])
             drafted += got["ngram"].stats.drafted_tokens
             assert engine.session_tokens(sids["off"]) == engine.session_tokens(sids["ngram"])
+            # the rows the session keeps are the accepted tokens' own, bit for bit
+            held = {mode: engine._store.get(sid, "") for mode, sid in sids.items()}
+            assert held["off"].kv_len == held["ngram"].kv_len > 0
+            rows = {
+                mode: engine.loaded.runner.read_rows(s.kv, s.kv_len)
+                for mode, s in held.items()
+                if s.kv is not None
+            }
+            assert len(rows) == 2
+            for name, want in rows["off"].items():
+                assert np.array_equal(rows["ngram"][name], want), name
         assert drafted > 0
+        # a fork of the speculative conversation goes on as a fork of the plain one
+        forks = {mode: engine.fork_session(sid) for mode, sid in sids.items()}
+        after = [
+            engine.complete(
+                GenerateRequest(
+                    " abc", max_tokens=6, sampling=SamplingParams(), session_id=f, speculation=m
+                )
+            )
+            for m, f in forks.items()
+        ]
+        identical(after[0], after[1])
     finally:
         engine.close()
 
