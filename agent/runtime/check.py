@@ -3,8 +3,9 @@
 A prepared copy (composites inlined, KV windows added: `agent.runtime.inline`) or a link of the
 accelerator chain that runs the file differently from its reference path (``cpu``: LiteRT's
 builtin kernels, which run every composite through its decomposition subgraph) must compute
-what the original file computes. The reference is the original file on the default path: the
-classic Interpreter with its default delegate, XNNPACK, which runs the
+what the original file computes. The reference is the original file on XNNPACK (a
+CompiledModel with the in-memory weight cache; on the Interpreter path, the classic Interpreter
+with its default delegate: bit-identical logits), which runs the
 ``odml.scaled_dot_product_attention`` composite itself (measured here: it matches the float
 torch model to 0.000, while the composite's decomposition subgraph, exported by litert-torch
 for one KV head in the default KV layout, folds K's transpose into a RESHAPE and is off by up
