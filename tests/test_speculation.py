@@ -514,12 +514,15 @@ def verify_dir(tiny_model_factory) -> Path:  # type: ignore[no-untyped-def]
     return tiny_model_factory.model_dir(prefill_lens=(8,), kv_max=64, verify_lens=VERIFY)
 
 
-@pytest.mark.parametrize("quantization", ["fp32", "int8"])
+@pytest.mark.parametrize(
+    ("quantization", "interpreter"), [("fp32", False), ("int8", False), ("fp32", True)]
+)
 def test_greedy_identical_on_a_real_model(  # type: ignore[no-untyped-def]
-    verify_dir, dev_profile_data, quantization, always
+    verify_dir, dev_profile_data, quantization, interpreter, always
 ) -> None:
-    engine = open_engine(verify_dir, dev_profile_data, quantization)
+    engine = open_engine(verify_dir, dev_profile_data, quantization, prefer_interpreter=interpreter)
     try:
+        assert engine.info.execution_path == ("interpreter" if interpreter else "compiled")
         assert engine.loaded.runner.verify_lengths == VERIFY
         accepted = 0
         for prompt in PROMPTS:
