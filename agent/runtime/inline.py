@@ -23,30 +23,23 @@ is also checked against the original file on its first load (`agent.runtime.chec
 
 from __future__ import annotations
 
-import copy
 import logging
 import mmap
 import shutil
-import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-import flatbuffers
+import numpy as np
 
+from agent.runtime.fbread import U32, ints, scalar, tables
 from agent.runtime.memory import give_back_memory
+from agent.runtime.overlay import Graph, Old, Overlay, operator
 from agent.runtime.schema import schema
 
 log = logging.getLogger(__name__)
 
-_BUFFER_OFFSET_FIELD = 6  # vtable slot of Buffer.offset (fields: data, offset, size)
-_ALIGN = 4096  # the weight block moves by a multiple of this: buffer alignment is kept
 _CHUNK = 1 << 20  # bytes per read when the weights are copied
-
-
-def _ids(v: Any) -> list[int]:
-    """A tensor-index vector of the object API (None, a list or a numpy array) as ints."""
-    return [] if v is None else [int(x) for x in v]
 
 
 # Composites XNNPACK runs itself: inlining them buys nothing and their decompositions are not
@@ -54,176 +47,119 @@ def _ids(v: Any) -> list[int]:
 KEPT_COMPOSITES = frozenset({"odml.scaled_dot_product_attention"})
 
 
-def _composite_name(op: Any) -> str:
-    name = getattr(op.builtinOptions2, "name", b"")
-    return name.decode() if isinstance(name, bytes) else str(name or "")
+@dataclass(frozen=True, slots=True)
+class _Composite:
+    name: str
+    decomposition: int  # its subgraph index
 
 
-def _composite_code(model: Any) -> set[int]:
-    code = schema.BuiltinOperator.STABLEHLO_COMPOSITE
-    return {
-        i
-        for i, oc in enumerate(model.operatorCodes or [])
-        if max(oc.builtinCode, oc.deprecatedBuiltinCode) == code
-    }
-
-
-def _inline_one(model: Any, sg: Any, op: Any) -> list[Any] | None:
-    """The decomposition's ops wired into `sg` in place of `op`; None if it cannot be."""
-    opts = op.builtinOptions2
-    index = getattr(opts, "decompositionSubgraphIndex", -1)
-    if not 0 <= index < len(model.subgraphs):
+def _composite(op: schema.Operator) -> _Composite | None:
+    """A composite op's name and decomposition, or None when it has none."""
+    if op.BuiltinOptions2Type() != schema.BuiltinOptions2.StableHLOCompositeOptions:
         return None
-    dec = model.subgraphs[index]
-    d_in, d_out = _ids(dec.inputs), _ids(dec.outputs)
-    o_in, o_out = _ids(op.inputs), _ids(op.outputs)
+    table = op.BuiltinOptions2()
+    opts = schema.StableHLOCompositeOptions()
+    opts.Init(table.Bytes, table.Pos)
+    raw = opts.Name()
+    return _Composite(raw.decode() if raw else "", opts.DecompositionSubgraphIndex())
+
+
+def _composite_code(ov: Overlay) -> set[int]:
+    code = schema.BuiltinOperator.STABLEHLO_COMPOSITE
+    return {i for i, builtin in enumerate(ov.codes) if builtin == code}
+
+
+def _op(ov: Overlay, ref: Any) -> schema.Operator | Any:
+    """An operator's accessor (an `Old` table) or its object-API table."""
+    if not isinstance(ref, Old):
+        return ref
+    op = schema.Operator()
+    op.Init(ov.buf, ref.pos)
+    return op
+
+
+def _opcode(ov: Overlay, ref: Any) -> int:
+    return scalar(ov.buf, ref.pos, 0, U32) if isinstance(ref, Old) else int(ref.opcodeIndex)
+
+
+def _inline_one(ov: Overlay, sg: Graph, op: schema.Operator, comp: _Composite) -> list[Any] | None:
+    """The decomposition's ops wired into `sg` in place of `op`; None if it cannot be."""
+    index = comp.decomposition
+    if not 0 <= index < len(ov.subgraphs) or not isinstance(ov.subgraphs[index], Old):
+        return None
+    dec = ov.subgraphs[index].pos
+    d_in, d_out = ints(ov.buf, dec, 1), ints(ov.buf, dec, 2)
+    o_in, o_out = op.InputsAsNumpy().tolist(), op.OutputsAsNumpy().tolist()
     if len(d_in) != len(o_in) or len(d_out) != len(o_out):
         return None
     if set(d_in) & set(d_out):  # an output that is an input needs a copy op: leave it
         return None
     mapping = dict(zip(d_in, o_in, strict=True))
     mapping.update(zip(d_out, o_out, strict=True))
+    d_tensors = tables(ov.buf, dec, 0)
     ops = []
-    for dop in dec.operators or []:
-        new = copy.copy(dop)
-        for field in ("inputs", "outputs", "intermediates"):
-            if getattr(dop, field) is None:
+    for pos in tables(ov.buf, dec, 3):
+        new = operator(ov.buf, pos)  # its options stay the decomposition's tables
+        for name in ("inputs", "outputs", "intermediates"):
+            value = getattr(new, name)
+            if value is None:
                 continue
             remapped = []
-            for t in _ids(getattr(dop, field)):
+            for t in value:
                 if t >= 0 and t not in mapping:
-                    sg.tensors.append(copy.deepcopy(dec.tensors[t]))
+                    sg.tensors.append(Old(d_tensors[t]))  # a tensor table needs no copy
                     mapping[t] = len(sg.tensors) - 1
                 remapped.append(mapping[t] if t >= 0 else t)
-            setattr(new, field, remapped)
+            setattr(new, name, np.array(remapped, dtype=np.int32))
         ops.append(new)
     return ops
 
 
-def _inline(head: bytes) -> tuple[Any, int]:
-    """The model whose flatbuffer is `head`, with its composites inlined, and how many were."""
-    model = schema.ModelT.InitFromPackedBuf(head, 0)
-    codes = _composite_code(model)
+def _inline(ov: Overlay) -> int:
+    """Inline the composites of `ov`'s signature graphs; how many were."""
+    root = ov.root
+    codes = _composite_code(ov)
     if not codes:
-        return model, 0
-    signature_subgraphs = {s.subgraphIndex for s in model.signatureDefs or []}
+        return 0
+    signature_subgraphs = {
+        root.SignatureDefs(i).SubgraphIndex() for i in range(root.SignatureDefsLength())
+    }
     inlined = 0
     dropped: set[int] = set()
+    still_used: set[int] = set()
     for i in sorted(signature_subgraphs):
-        sg = model.subgraphs[i]
+        sg = ov.graph(i)
         out = []
-        for op in sg.operators or []:
-            inline = op.opcodeIndex in codes and _composite_name(op) not in KEPT_COMPOSITES
-            ops = _inline_one(model, sg, op) if inline else None
-            if ops is None:
-                out.append(op)
+        for ref in sg.operators:
+            op = _op(ov, ref) if _opcode(ov, ref) in codes else None
+            comp = _composite(op) if op is not None else None
+            ops = None
+            if comp is not None and comp.name not in KEPT_COMPOSITES:
+                ops = _inline_one(ov, sg, op, comp)
+            if comp is None or ops is None:
+                out.append(ref)
+                if comp is not None:
+                    still_used.add(comp.decomposition)
                 continue
             out.extend(ops)
             inlined += 1
-            dropped.add(op.builtinOptions2.decompositionSubgraphIndex)
-        sg.operators = out
-    still_used = {
-        op.builtinOptions2.decompositionSubgraphIndex
-        for sg in model.subgraphs
-        for op in sg.operators or []
-        if op.opcodeIndex in codes
-    }
-    dropped -= still_used | signature_subgraphs
-    kept = len(model.subgraphs) - len(dropped)
-    if dropped and min(dropped) >= kept:  # only trailing subgraphs go: no index changes
-        model.subgraphs = model.subgraphs[:kept]
-    return model, inlined
-
-
-class _SharedTable:
-    """An object-API table that every tensor holding it points to: packed once per builder
-    (a flatbuffer may reference one table from many places)."""
-
-    def __init__(self, table: Any) -> None:
-        self.table = table
-        self._packed: tuple[Any, int] | None = None
-
-    def Pack(self, builder: Any) -> int:
-        if self._packed is None or self._packed[0] is not builder:
-            self._packed = (builder, self.table.Pack(builder))
-        return self._packed[1]
-
-
-def _content(value: Any) -> Any:
-    """A hashable key for the value of an object-API field."""
-    if value is None or isinstance(value, (int, float, bytes, str)):
-        return value
-    if hasattr(value, "tobytes"):
-        return (str(value.dtype), value.tobytes())
-    if isinstance(value, list):
-        return tuple(_content(v) for v in value)
-    return tuple((k, _content(v)) for k, v in sorted(vars(value).items()))
-
-
-def _share_quantization(model: Any) -> None:
-    """Make tensors with equal quantization parameters share one table. Every signature's
-    graph carries its own copy of each weight's parameters (int8 per-channel: a scale and a
-    zero point per output channel, ~2.3 MB per SmolLM-shaped graph); shared, the prepared
-    file's graph is that much smaller, and so is what the runtime maps."""
-    shared: dict[Any, _SharedTable] = {}
-    for sg in model.subgraphs or []:
-        for t in sg.tensors or []:
-            q = t.quantization
-            if q is None or isinstance(q, _SharedTable):
-                continue
-            t.quantization = shared.setdefault(_content(q), _SharedTable(q))
-
-
-def _write_packed(model: Any, start: int, out: BinaryIO) -> None:
-    """Serialize `model` to `out`, padded so that the weights stored after the old flatbuffer
-    (from byte `start` of the file, addressed by absolute offsets) can follow it unchanged:
-    their offsets are shifted by a multiple of `_ALIGN`, which keeps every buffer's alignment.
-    The builder's bytes are written as they are, not copied (a SmolLM-shaped int8 graph with
-    KV windows is ~8 MB with shared tables, 36 MB without)."""
-    outside = [b for b in model.buffers or [] if b.offset > 1]
-
-    _share_quantization(model)
-
-    class Builder(flatbuffers.Builder):  # type: ignore[misc]
-        """Writes each distinct string once (tensor names repeat in every signature's graph)."""
-
-        def __init__(self, size: int) -> None:
-            super().__init__(size)
-            self.strings: dict[Any, int] = {}
-
-        def CreateString(self, s: Any, encoding: str = "utf-8", errors: str = "strict") -> int:
-            if s not in self.strings:
-                self.strings[s] = super().CreateString(s, encoding, errors)
-            return self.strings[s]
-
-    def build() -> memoryview:
-        builder = Builder(1024)
-        builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
-        return memoryview(builder.Bytes)[builder.Head() :]
-
-    head = build()
-    if not outside:
-        out.write(head)
-        return
-    shift = -(-(len(head) - start) // _ALIGN) * _ALIGN
-    _shift_offsets(head, shift)
-    out.write(head)
-    out.write(b"\0" * (start + shift - len(head)))
-
-
-def _shift_offsets(head: memoryview, shift: int) -> None:
-    """Add `shift` to the offset of every buffer stored outside the flatbuffer `head`, in
-    place: the uint64 fields are there already (an offset > 1 is never the default), so the
-    graph does not have to be built a second time (half of a rewrite's time, measured)."""
-    root = schema.Model.GetRootAs(head, 0)
-    for i in range(root.BuffersLength()):
-        tab = root.Buffers(i)._tab
-        field = tab.Offset(_BUFFER_OFFSET_FIELD)
-        if not field:
+            dropped.add(comp.decomposition)
+        if out != sg.operators:
+            sg.operators = out
+            ov.subgraphs[i] = sg
+    for i, ref in enumerate(ov.subgraphs):  # composites in the graphs left as they are
+        if i in signature_subgraphs or not isinstance(ref, Old):
             continue
-        offset = struct.unpack_from("<Q", head, tab.Pos + field)[0]
-        if offset > 1:
-            struct.pack_into("<Q", head, tab.Pos + field, offset + shift)
+        for pos in tables(ov.buf, ref.pos, 3):
+            op = _op(ov, Old(pos)) if _opcode(ov, Old(pos)) in codes else None
+            comp = _composite(op) if op is not None else None
+            if comp is not None:
+                still_used.add(comp.decomposition)
+    dropped -= still_used | signature_subgraphs
+    kept = len(ov.subgraphs) - len(dropped)
+    if dropped and min(dropped) >= kept:  # only trailing subgraphs go: no index changes
+        ov.subgraphs = ov.subgraphs[:kept]
+    return inlined
 
 
 def _flatbuffer_end(view: mmap.mmap) -> int:
@@ -253,21 +189,23 @@ def prepare_file(
     """Write `src` with its composites inlined and KV windows `windows` added (for a KV length
     of `kv_length`) to `dst`, atomically; nothing is written when nothing changes.
 
-    Only the flatbuffer is read into memory and rebuilt; the weights after it are copied from
-    file to file in chunks, so a large model's first load does not hold it in memory twice.
+    Only the flatbuffer is read into memory; the copy is the original flatbuffer after a new
+    small one (`agent.runtime.overlay`), and the weights after it are copied from file to file
+    in chunks, so a large model's first load does not hold it in memory twice.
     """
     from agent.runtime.windows import WindowsRefused, add_windows
 
     with open(src, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
         start = _flatbuffer_end(view)
-        model, n = _inline(bytes(view[:start]))
+        ov = Overlay.open(bytes(view[:start]), start)
+        n = _inline(ov)
         refused = None
 
         def read(offset: int, size: int) -> bytes:
             return bytes(view[offset : offset + size])
 
         try:
-            added = add_windows(model, kv_length, windows, read) if windows else ()
+            added = add_windows(ov, kv_length, windows, read) if windows else ()
         except WindowsRefused as exc:
             added, refused = (), str(exc)
             log.warning("KV windows not added to %s: %s", Path(src).name, exc)
@@ -275,11 +213,11 @@ def prepare_file(
         if done.changed:
             tmp = Path(dst).with_name(Path(dst).name + ".tmp")
             with open(tmp, "wb") as out:
-                _write_packed(model, start, out)
+                ov.write(out)
                 f.seek(start)
                 shutil.copyfileobj(f, out, _CHUNK)
             tmp.replace(dst)
-    del model
+    del ov
     give_back_memory()
     log.info(
         "model prepared: %d composites inlined, KV windows %s in %s -> %s",
