@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.runtime import fbread
 from agent.runtime.modelinfo import ModelFile, SignatureIO, TensorInfo
 from agent.runtime.schema import schema
 
@@ -72,34 +73,40 @@ class _Op:
     opcode: int
     inputs: list[int]
     outputs: list[int]
-    table: schema.Operator
+    pos: int  # where its table is
 
 
 def parse(path: Path, data: mmap.mmap) -> ModelFile:
-    model = schema.Model.GetRootAs(data, 0)
-    n_buffers = model.BuffersLength()
+    # Tensors and operators are read from the bytes (`agent.runtime.fbread`), not through the
+    # generated accessors: a SmolLM-shaped graph with KV windows has ~28,000 tensors.
+    buf = data
+    model = schema.Model.GetRootAs(buf, 0)
+    root = model._tab.Pos
+    buffer_tables = fbread.tables(buf, root, 4)
+    subgraph_tables = fbread.tables(buf, root, 2)
+    n_buffers = len(buffer_tables)
     filled: dict[int, bool] = {}
 
     def is_constant(b: int) -> bool:
         if b <= 0 or b >= n_buffers:
             return False
         if b not in filled:
-            buf = model.Buffers(b)
-            filled[b] = bool(buf.DataLength() > 0 or buf.Size() > 0)
+            pos = buffer_tables[b]
+            data_at = fbread.table(buf, pos, 0)
+            has_data = bool(data_at) and fbread.U32.unpack_from(buf, data_at)[0] > 0
+            filled[b] = has_data or fbread.scalar(buf, pos, 2, fbread.U64) > 0
         return filled[b]
 
     tables: dict[int, list[_Tensor]] = {}
 
     def tensors(sg_index: int) -> list[_Tensor]:
         if sg_index not in tables:
-            sg = model.Subgraphs(sg_index)
             table = []
-            for i in range(sg.TensorsLength()):
-                t = sg.Tensors(i)
-                raw = t.ShapeAsNumpy()
-                shape = tuple(raw.tolist()) if not isinstance(raw, int) else ()
-                info = TensorInfo("", shape, _TYPE_NAMES.get(t.Type(), "?"))
-                table.append(_Tensor(info, t.Buffer(), is_constant(t.Buffer())))
+            for pos in fbread.tables(buf, subgraph_tables[sg_index], 0):
+                shape = tuple(fbread.ints(buf, pos, 0))
+                dtype = _TYPE_NAMES.get(fbread.scalar(buf, pos, 1, fbread.I8), "?")
+                b = fbread.scalar(buf, pos, 2, fbread.U32)
+                table.append(_Tensor(TensorInfo("", shape, dtype), b, is_constant(b)))
             tables[sg_index] = table
         return tables[sg_index]
 
@@ -107,10 +114,14 @@ def parse(path: Path, data: mmap.mmap) -> ModelFile:
 
     def operators(sg_index: int) -> list[_Op]:
         if sg_index not in op_tables:
-            sg = model.Subgraphs(sg_index)
             op_tables[sg_index] = [
-                _Op(op.OpcodeIndex(), op.InputsAsNumpy().tolist(), op.OutputsAsNumpy().tolist(), op)
-                for op in (sg.Operators(k) for k in range(sg.OperatorsLength()))
+                _Op(
+                    fbread.scalar(buf, pos, 0, fbread.U32),
+                    fbread.ints(buf, pos, 1),
+                    fbread.ints(buf, pos, 2),
+                    pos,
+                )
+                for pos in fbread.tables(buf, subgraph_tables[sg_index], 3)
             ]
         return op_tables[sg_index]
 
@@ -119,7 +130,6 @@ def parse(path: Path, data: mmap.mmap) -> ModelFile:
     for s in range(model.SignatureDefsLength()):
         sd = model.SignatureDefs(s)
         sg_index = sd.SubgraphIndex()
-        sg = model.Subgraphs(sg_index)
         signature_subgraphs.add(sg_index)
         table = tensors(sg_index)
 
@@ -137,7 +147,8 @@ def parse(path: Path, data: mmap.mmap) -> ModelFile:
 
         inputs = io([sd.Inputs(i) for i in range(sd.InputsLength())])
         outputs = io([sd.Outputs(i) for i in range(sd.OutputsLength())])
-        boundary = set(sg.InputsAsNumpy().tolist()) | set(sg.OutputsAsNumpy().tolist())
+        sg_pos = subgraph_tables[sg_index]
+        boundary = set(fbread.ints(buf, sg_pos, 1)) | set(fbread.ints(buf, sg_pos, 2))
         intermediate = {
             i: t.info.nbytes for i, t in enumerate(table) if i not in boundary and not t.constant
         }
@@ -156,18 +167,19 @@ def parse(path: Path, data: mmap.mmap) -> ModelFile:
         sg = model.Subgraphs(sg_index)
         table = tensors(sg_index)
         for entry in operators(sg_index):
-            op, code = entry.table, entry.opcode
+            code = entry.opcode
             if code not in opcodes:
                 opcodes[code] = _opcode(model, code)
             name = opcodes[code]
             ops[name] += 1
-            if name == "STABLEHLO_COMPOSITE" and op.BuiltinOptions2Type() == (
-                schema.BuiltinOptions2.StableHLOCompositeOptions
-            ):
-                table2 = op.BuiltinOptions2()
-                opts = schema.StableHLOCompositeOptions()
-                opts.Init(table2.Bytes, table2.Pos)
-                composites[_name(opts.Name())] += 1
+            if name == "STABLEHLO_COMPOSITE":
+                op = schema.Operator()
+                op.Init(buf, entry.pos)
+                if op.BuiltinOptions2Type() == schema.BuiltinOptions2.StableHLOCompositeOptions:
+                    table2 = op.BuiltinOptions2()
+                    opts = schema.StableHLOCompositeOptions()
+                    opts.Init(table2.Bytes, table2.Pos)
+                    composites[_name(opts.Name())] += 1
             for ti in entry.inputs:
                 if ti < 0:
                     continue
