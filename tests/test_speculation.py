@@ -197,6 +197,14 @@ def test_acceptance_is_tracked_per_match_length() -> None:
     assert spec.propose(None, generated, 100) == (1, 2, 3)  # its prior: verify_4 is best
 
 
+def test_a_missing_verify_signature_backs_off() -> None:
+    spec = Speculator(ScriptedCosts(), (4, 8), REPEAT)
+    assert spec.propose(None, [], 100)
+    spec.missed()  # e.g. a KV window without verify signatures
+    assert [spec.propose(None, [], 100) for _ in range(PROBE_MAX)] == [()] * PROBE_MAX
+    assert spec.propose(None, [], 100)
+
+
 def test_speculation_mode() -> None:
     assert speculation_mode(None, "ngram") == "ngram"
     assert speculation_mode("off", "ngram") == "off"

@@ -160,6 +160,7 @@ class Generation:
             return None
         logits = self._runner.verify(self._kv, [self._next_input, *drafts], self._pos)
         if logits is None:
+            spec.missed()
             return None
         ids: list[int] = []
         text = ""

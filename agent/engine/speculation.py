@@ -161,6 +161,11 @@ class Speculator:
                 break
         return best_k
 
+    def missed(self) -> None:
+        """The runtime had no verify signature for the proposal (the end of the context, a KV
+        window without them): look again only after the longest wait."""
+        self._wait = PROBE_MAX
+
     def record(self, drafted: int, checked: int, accepted: int) -> None:
         """A verify call of `drafted` drafts: the sampler compared the first `checked` (it
         stops at the first mismatch, or at a stop), and the first `accepted` held."""
