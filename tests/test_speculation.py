@@ -26,6 +26,7 @@ from agent.engine.speculation import (
     MARGIN,
     PROBE_MAX,
     Speculator,
+    break_even,
     expected_tokens,
     speculation_mode,
 )
@@ -106,6 +107,9 @@ def test_expected_tokens() -> None:
     assert expected_tokens(0.0, 7) == 1.0
     assert expected_tokens(1.0, 7) == 8.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert break_even(1.75, 2) == pytest.approx(0.5)
+    assert break_even(0.9, 3) == 0.0 and break_even(4.5, 3) is None
+    assert expected_tokens(break_even(3.8, 3) or 0.0, 3) == pytest.approx(3.8)
 
 
 def test_high_acceptance_uses_the_longest_draft() -> None:

@@ -77,6 +77,21 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+def break_even(cost_ratio: float, k: int) -> float | None:
+    """The per-token acceptance at which a verify call of k drafts costing `cost_ratio` decode
+    steps yields tokens as fast as plain decoding (``E(k) == cost_ratio``), or None when no
+    acceptance does (the call costs more than k + 1 steps). For benchmark reports."""
+    if cost_ratio <= 1.0:
+        return 0.0
+    if cost_ratio > k + 1:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, k) < cost_ratio else (lo, mid)
+    return hi
+
+
 @dataclass(slots=True)
 class _Order:
     """Acceptance of the drafts found by one match length."""
