@@ -185,21 +185,9 @@ def run_verify_cost(a: argparse.Namespace, skipped: list[str]) -> dict[str, Any]
     return out
 
 
-def break_even(ratio: float, n: int) -> float | None:
-    """The per-token acceptance a at which a verify call of n tokens (n-1 drafts), costing
-    `ratio` decode steps, yields as many tokens per second as decoding: (1 - a^n) / (1 - a)
-    tokens per call = ratio. None when even full acceptance does not pay (ratio >= n)."""
-    if ratio >= n:
-        return None
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        tokens = n if mid >= 1 else (1 - mid**n) / (1 - mid)
-        lo, hi = (mid, hi) if tokens < ratio else (lo, mid)
-    return lo
-
-
 def md_verify_cost(v: dict[str, Any]) -> list[str]:
+    from agent.engine.speculation import break_even
+
     lines = [
         f"{v['threads']} threads, int8, through the runner: the median of {40} calls after 5 "
         "untimed ones, in the KV window a 64-token prompt decodes in; the median over rounds. "
@@ -219,7 +207,7 @@ def md_verify_cost(v: dict[str, Any]) -> list[str]:
         for n in sorted(runs[0]["verify_ms"], key=int):
             ver = med([r["verify_ms"][n] for r in runs])
             ratio = med([r["verify_ms"][n] / r["decode_ms"] for r in runs])
-            be = break_even(ratio["median"], int(n))
+            be = break_even(ratio["median"], int(n) - 1)  # n tokens: n - 1 drafts
             lines.append(
                 f"| {m['model']} | {fmt(dec, 3)} | {n} | {fmt(ver, 3)} | {fmt(ratio, 2)} | "
                 + (f"{be:.0%} |" if be is not None else "never |")
