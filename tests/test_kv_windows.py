@@ -232,7 +232,10 @@ def test_load_gives_a_single_length_model_windows_that_decode_the_same(
     # what reading the model and its copy found is kept for the next start
     readings = {f"{'d' * 64}{cachefiles.PARSE_SUFFIX}", f"{made.stem}{cachefiles.PARSE_SUFFIX}"}
     assert readings <= {f.name for f in cache.iterdir()}
-    assert "model reopened to map them" in caplog.text  # packed on this load
+    # packed on this load, by the original's reference run, into the file the copy maps
+    packed = cache / f"{made.stem}{cachefiles.WEIGHT_CACHE_SUFFIX}"
+    assert f"weights packed to {packed} by the reference run" in caplog.text
+    assert packed.exists() and "model reopened to map them" not in caplog.text
     # a later load runs the same copy without rewriting or checking it again
     caplog.clear()
     mtime = made.stat().st_mtime_ns
