@@ -10,6 +10,8 @@ verify signatures: output identical with speculation on and off.
 from __future__ import annotations
 
 import hashlib
+import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +26,10 @@ from agent.engine.generation import Generation
 from agent.engine.sampler import Sampler, SamplingParams
 from agent.engine.speculation import (
     MARGIN,
+    PROBE_BUDGET,
     PROBE_MAX,
+    PROBE_MIN,
+    Acceptance,
     Speculator,
     break_even,
     expected_tokens,
@@ -137,16 +142,43 @@ def test_unmeasured_decode_never_speculates_and_unmeasured_verify_is_tried() -> 
     assert len(Speculator(costs, (4, 8), REPEAT).propose(None, [], 9)) == 7
 
 
-def test_expensive_verify_is_not_used() -> None:
-    # a verify call costing as much as 8 decode steps never beats decode, whatever the drafts
+def test_verify_that_cannot_pay_is_never_used() -> None:
+    # verify_4 costing 4.5 decode steps, verify_8 9: not even 4 or 8 held drafts pay for them
     spec = Speculator(ScriptedCosts(verify={4: 4.5, 8: 9.0}), (4, 8), REPEAT)
-    proposals = [spec.propose(None, [], 100) for _ in range(PROBE_MAX)]
-    for d in proposals:
+    assert [spec.propose(None, [], 100) for _ in range(500)] == [()] * 500
+
+
+def test_probes_wait_by_their_cost() -> None:
+    # verify_4 costs 2 decode steps: it pays only above ~70% acceptance (the prior is 50%); the
+    # probes come after 8 steps, then at most one per (2 - 1) / PROBE_BUDGET steps
+    spec = Speculator(ScriptedCosts(verify={4: 2.0, 8: 3.5}), (4, 8), REPEAT)
+    proposals = []
+    for _ in range(300):
+        d = spec.propose(None, [], 100)
+        proposals.append(d)
         if d:
-            spec.record(len(d), len(d), len(d))
-    # only the probes, each with the cheapest signature's draft, at waits of 8, 16, 32 steps
-    assert [i for i, d in enumerate(proposals) if d] == [9, 26, 59]
-    assert all(len(d) in (0, 3) for d in proposals)
+            spec.record(len(d), 1, 0)
+    probes = [i for i, d in enumerate(proposals) if d]
+    # the first decline (step 0) waits too, as long as PROBE_BUDGET asks: a request may be short
+    cost_wait = math.ceil((2.0 - 1.0) / PROBE_BUDGET)
+    assert probes[0] == 1 + max(PROBE_MIN, cost_wait) and all(
+        len(proposals[i]) == 3 for i in probes
+    )
+    waits = [max(min(PROBE_MIN * 2 ** (i + 1), PROBE_MAX), cost_wait) for i in range(4)]
+    assert waits == [50, 50, 64, 64]
+    assert [b - a - 1 for a, b in itertools.pairwise(probes)] == waits, probes
+
+
+@pytest.mark.parametrize("verify", [{4: 1.2, 8: 1.5}, {4: 2.0, 8: 3.5}, {4: 3.0, 8: 7.0}])
+def test_short_requests_on_open_ended_text_stay_within_five_percent(verify) -> None:  # type: ignore[no-untyped-def]
+    """Every request starts from the prior: many short ones (40 tokens) whose drafts all fail
+    cost at most 5% more than plain decoding."""
+    costs = ScriptedCosts(verify=verify)
+    spent = emitted = 0.0
+    for _ in range(100):
+        s, e = simulate(Speculator(costs, (4, 8), REPEAT), costs, 40, lambda step, k: 0)
+        spent, emitted = spent + s, emitted + e
+    assert spent / (emitted * (costs.decode or 0.0)) <= 1.05
 
 
 def simulate(spec: Speculator, costs: ScriptedCosts, steps: int, hold) -> tuple[float, int]:  # type: ignore[no-untyped-def]
@@ -199,6 +231,17 @@ def test_acceptance_is_tracked_per_match_length() -> None:
     spec._wait = 0  # past the back-off that decline started
     generated += [1, 2, 3, 1, 2, 3]
     assert spec.propose(None, generated, 100) == (1, 2, 3)  # its prior: verify_4 is best
+
+
+def test_a_new_request_starts_from_what_earlier_ones_saw() -> None:
+    costs = ScriptedCosts()
+    shared = Acceptance()
+    for _ in range(20):  # open-ended requests: every draft fails
+        simulate(Speculator(costs, (4, 8), REPEAT, shared), costs, 40, lambda step, k: 0)
+    assert Speculator(costs, (4, 8), REPEAT, shared).propose(None, [], 100) == ()
+    for _ in range(20):  # requests that quote their input: every draft holds
+        simulate(Speculator(costs, (4, 8), REPEAT, shared), costs, 40, lambda step, k: k)
+    assert len(Speculator(costs, (4, 8), REPEAT, shared).propose(None, [], 100)) == 7
 
 
 def test_a_missing_verify_signature_backs_off() -> None:

@@ -35,7 +35,7 @@ from agent.engine.sampler import Sampler
 from agent.engine.scheduler import Scheduler
 from agent.engine.sessioncalls import SessionCalls
 from agent.engine.sessions import SessionStore, open_disk_tier
-from agent.engine.speculation import speculator_for
+from agent.engine.speculation import Acceptance, speculator_for
 from agent.engine.stats import EngineStats, Tally
 from agent.engine.types import Completion, GenerateRequest, RequestStats, TokenEvent
 from agent.errors import AgentError, NonFiniteLogits, Overloaded, SessionLost, Unavailable
@@ -123,6 +123,7 @@ class Engine(SessionCalls):
         self._stall = 0.0
         self._beat = time.monotonic()
         self._tally = Tally()
+        self._acceptance = Acceptance()  # what speculation saw so far: a new request's prior
         if profile.kv.preallocate:
             pool.grow(self.memory.sessions)
         self._thread = threading.Thread(target=self._loop, name="edge-agent-engine", daemon=True)
@@ -307,6 +308,7 @@ class Engine(SessionCalls):
                     p.speculation,
                     self.loaded.runner,
                     (p.session.tokens[: p.session.kv_len] if p.session is not None else []) + p.ids,
+                    self._acceptance,
                 ),
             )
 

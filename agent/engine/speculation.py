@@ -15,17 +15,21 @@ The acceptance is measured per request and per match length of the drafter
 weighted count of accepted and checked drafts (`DECAY` per verify call, so a document quoted
 mid-answer turns speculation back on) over a prior of `PRIOR_ACCEPTED` / `PRIOR_CHECKED`. When
 the policy declines (open-ended text: the drafts keep failing) it stops looking for drafts for
-`PROBE_MIN` decode steps, then probes once with the cheapest verify signature at the next
-decline, doubling the wait up to `PROBE_MAX` steps while the probes fail: a failed probe costs
-``cN - c1`` once per that many steps, which keeps open-ended text within a few percent of plain
-decoding. Backing off costs the index update alone (1-3 us per token measured on a loaded
-2-core x86 machine, against ~150 us per demo-model decode step); a step with no draft, a few
-dict lookups more. A signature not measured yet (its first call pays lazy
-initialisation and is not counted) is assumed to cost what decode does, so it gets measured.
+`PROBE_MIN` decode steps, then probes once with the cheapest verify signature that would pay if
+every draft held, at the next decline, doubling the wait up to `PROBE_MAX` steps while the
+probes fail, and waiting at least long enough that a failed probe's extra ``cN - c1`` is at most
+`PROBE_BUDGET` of the decode time between probes: open-ended text stays within a few percent of
+plain decoding. When no verify call could pay even at full acceptance (a verify of N tokens
+costing more than N decode steps, as on the tiny test models) it never probes. Backing off
+costs the index update alone (1-3 us per token measured on a loaded 2-core x86 machine, against
+~150 us per demo-model decode step); a step with no draft, a few dict lookups more. A
+signature not measured yet (its first call pays lazy initialisation and is not counted) is
+assumed to cost what decode does, so it gets measured.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -37,10 +41,12 @@ from agent.runtime.runner import KVCache, Runner
 
 MARGIN = 1.05  # speculate only when expected tokens/s beats plain decode by this factor
 DECAY = 0.9  # weight of the older acceptance counts at each verify call
-PRIOR_ACCEPTED = 1.0  # a prior of one accepted draft in two
-PRIOR_CHECKED = 2.0
+PRIOR_ACCEPTED = 1.0  # the first request's prior: one accepted draft in two
+PRIOR_CHECKED = 2.0  # the weight of a request's prior, in checked drafts
+SHARED_DECAY = 0.98  # the engine-wide acceptance follows the last ~50 verify calls
 PROBE_MIN = 8  # decode steps without looking for drafts after the policy first declines
-PROBE_MAX = 64  # the longest wait between probes
+PROBE_MAX = 64  # the longest wait between probes (unless PROBE_BUDGET asks for longer)
+PROBE_BUDGET = 0.02  # failed probes cost at most this share of the decode steps between them
 
 
 class Costs(Protocol):
@@ -63,13 +69,15 @@ def speculation_mode(asked: str | None, default: str) -> str:
     return mode
 
 
-def speculator_for(mode: str, runner: Runner, history: Sequence[int]) -> Speculator | None:
+def speculator_for(
+    mode: str, runner: Runner, history: Sequence[int], shared: Acceptance | None = None
+) -> Speculator | None:
     """The request's speculator, or None: speculation off, or the loaded model has no verify
     signature it may use (none in the file, or the load check found verify not bit-identical
     to decode: the runtime logged why once)."""
     if mode != "ngram" or not runner.verify_lengths:
         return None
-    return Speculator(runner.costs, runner.verify_lengths, history)
+    return Speculator(runner.costs, runner.verify_lengths, history, shared)
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -95,27 +103,55 @@ def break_even(cost_ratio: float, k: int) -> float | None:
 
 @dataclass(slots=True)
 class _Order:
-    """Acceptance of the drafts found by one match length."""
+    """Acceptance of the drafts found by one match length (weighted counts over a prior)."""
 
     accepted: float = 0.0
     checked: float = 0.0
+    prior: float = PRIOR_ACCEPTED / PRIOR_CHECKED
 
     def acceptance(self) -> float:
-        return (self.accepted + PRIOR_ACCEPTED) / (self.checked + PRIOR_CHECKED)
+        return (self.accepted + self.prior * PRIOR_CHECKED) / (self.checked + PRIOR_CHECKED)
+
+    def add(self, checked: int, accepted: int, decay: float) -> None:
+        self.accepted = decay * self.accepted + accepted
+        self.checked = decay * self.checked + checked
+
+
+class Acceptance:
+    """What the engine's earlier requests saw, per match length: a new request's prior. So
+    on a workload of open-ended text a new request does not try failing drafts again first,
+    and on one that quotes its input it speculates from its first draft. Engine thread only."""
+
+    def __init__(self) -> None:
+        self._orders = [_Order() for _ in range(MAX_NGRAM)]
+
+    def priors(self) -> list[float]:
+        return [o.acceptance() for o in self._orders]
+
+    def add(self, order: int, checked: int, accepted: int) -> None:
+        self._orders[order - 1].add(checked, accepted, SHARED_DECAY)
 
 
 class Speculator:
     """One request's drafter, policy and counters. `propose` before a decode step gives the
     drafts to verify (empty: decode plainly); `record` after the step says how many held."""
 
-    def __init__(self, costs: Costs, verify_lengths: Sequence[int], history: Sequence[int]) -> None:
+    def __init__(
+        self,
+        costs: Costs,
+        verify_lengths: Sequence[int],
+        history: Sequence[int],
+        shared: Acceptance | None = None,
+    ) -> None:
         self._costs = costs
+        self._shared = shared
         self._lengths = tuple(sorted(n for n in verify_lengths if n >= 2))
         self._max_k = self._lengths[-1] - 1 if self._lengths else 0
         self._history = history  # indexed on the first proposal, off the admission path
         self._lookup: PromptLookup | None = None
         self._seen = 0  # generated tokens already in the index
-        self._orders = [_Order() for _ in range(MAX_NGRAM)]
+        priors = shared.priors() if shared is not None else [PRIOR_ACCEPTED / PRIOR_CHECKED] * 3
+        self._orders = [_Order(prior=p) for p in priors]
         self._order = 0  # match length of the last proposal
         self._wait = 0  # decode steps to go without looking for drafts (backing off)
         self._due = False  # the policy declined before: the next decline probes
@@ -147,25 +183,30 @@ class Speculator:
         order, draft = look.draft(min(self._max_k, budget))
         if not draft:
             return ()
-        k = self._choose(kv, self._orders[order - 1].acceptance(), len(draft))
+        c1 = self._costs.decode_s(kv)
+        if c1 is None:  # nothing measured yet: decode, which measures it
+            return ()
+        k = self._choose(kv, c1, self._orders[order - 1].acceptance(), len(draft))
         if k == 0:
-            if not self._due:  # back off; after the wait, a decline probes
-                self._wait, self._due = self._interval, True
+            k, ratio = self._probe(kv, c1, len(draft))
+            if k == 0:  # no verify call would pay even if every draft held
+                self._wait = PROBE_MAX
                 return ()
-            # probe: the cheapest verify signature, to see whether the drafts hold now
-            self._interval = min(2 * self._interval, PROBE_MAX)
-            self._wait = self._interval
-            k = min(self._lengths[0] - 1, len(draft))
+            # back off; after the wait, a decline probes, and failed probes stay a small share
+            # of the time (the first wait too: a request may be short)
+            due, self._due = self._due, True
+            if due:
+                self._interval = min(2 * self._interval, PROBE_MAX)
+            self._wait = max(self._interval, math.ceil((ratio - 1.0) / PROBE_BUDGET))
+            if not due:
+                return ()
         else:
             self._due, self._interval = False, PROBE_MIN
         self._order = order
         return draft[:k]
 
-    def _choose(self, kv: KVCache, acceptance: float, available: int) -> int:
+    def _choose(self, kv: KVCache, c1: float, acceptance: float, available: int) -> int:
         """The number of drafts to verify (0: plain decode is expected to be faster)."""
-        c1 = self._costs.decode_s(kv)
-        if c1 is None:  # nothing measured yet: decode, which measures it
-            return 0
         best_k, best = 0, 1.0 / c1 * MARGIN
         for n in self._lengths:
             k = min(n - 1, available)
@@ -177,6 +218,19 @@ class Speculator:
                 break
         return best_k
 
+    def _probe(self, kv: KVCache, c1: float, available: int) -> tuple[int, float]:
+        """The drafts of the cheapest verify call that would pay if all of them held, and its
+        cost in decode steps; (0, 0.0) when none would."""
+        for n in self._lengths:
+            k = min(n - 1, available)
+            cost = self._costs.verify_s(kv, k + 1)
+            cost = c1 if cost is None else cost
+            if (k + 1) * c1 > MARGIN * cost:
+                return k, cost / c1
+            if k == available:
+                break
+        return 0, 0.0
+
     def missed(self) -> None:
         """The runtime had no verify signature for the proposal (the end of the context, a KV
         window without them): look again only after the longest wait."""
@@ -185,9 +239,9 @@ class Speculator:
     def record(self, drafted: int, checked: int, accepted: int) -> None:
         """A verify call of `drafted` drafts: the sampler compared the first `checked` (it
         stops at the first mismatch, or at a stop), and the first `accepted` held."""
-        st = self._orders[self._order - 1]
-        st.accepted = DECAY * st.accepted + accepted
-        st.checked = DECAY * st.checked + checked
+        self._orders[self._order - 1].add(checked, accepted, DECAY)
+        if self._shared is not None:
+            self._shared.add(self._order, checked, accepted)
         self.drafted += drafted
         self.accepted += accepted
         self.verify_calls += 1
