@@ -135,7 +135,7 @@ class Generation:
             self._prefilled += n
             self._pos += n
             return []
-        if self._spec is not None:
+        if self._spec is not None and self.generated:  # the first token as soon as it can be
             events = self._speculate(self._spec)
             if events is not None:
                 return events
