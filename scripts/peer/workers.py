@@ -75,9 +75,10 @@ def worker_edge(a: argparse.Namespace) -> dict[str, Any]:
         _, rate, n, _, _ = run(prompt_text(64), a.tokens)
         out.update(decode_tok_s=rate, decoded=n)
         for p in PROMPTS:
-            ttft, _, _, _, last = run(prompt_text(p), 1)
+            ttft, _, _, _, last = run(prompt_text(f"fresh{p}"), 1)
             prompt = last.stats.prompt_tokens
             out.update({f"ttft{p}_ms": ttft, f"prompt{p}_tokens": prompt})
+            out[f"cached{p}_tokens"] = last.stats.cached_tokens  # 0: all of it prefilled
             out[f"prefill{p}_tok_s"] = prompt / ttft * 1e3
     elif a.task == "window":
         ttft, rate, n, ids, _ = run(prompt_text(a.prompt), a.tokens)
@@ -148,7 +149,7 @@ def worker_grpc(a: argparse.Namespace) -> dict[str, Any]:
         _, rate, n, _, _ = run(prompt_text(64), a.tokens)
         out.update(decode_tok_s=rate, decoded=n)
         for p in PROMPTS:
-            out[f"ttft{p}_ms"], _, _, _, _ = run(prompt_text(p), 1)
+            out[f"ttft{p}_ms"], _, _, _, _ = run(prompt_text(f"fresh{p}"), 1)
         out["peak_rss_mib"] = peak_rss_mib(d.proc.pid)
     finally:
         d.stop()
@@ -196,7 +197,7 @@ def worker_litertlm(a: argparse.Namespace) -> dict[str, Any]:
             decode_tok_s=rate, decoded=n, own_decode_tok_s=info.last_decode_tokens_per_second
         )
         for p in PROMPTS:
-            ttft, _, _, info = run(prompt_text(p), 1)
+            ttft, _, _, info = run(prompt_text(f"fresh{p}"), 1)
             prompt = info.last_prefill_token_count
             out.update({f"ttft{p}_ms": ttft, f"prompt{p}_tokens": prompt})
             out[f"prefill{p}_tok_s"] = prompt / ttft * 1e3
