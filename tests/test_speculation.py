@@ -148,6 +148,15 @@ def test_verify_that_cannot_pay_is_never_used() -> None:
     assert [spec.propose(None, [], 100) for _ in range(500)] == [()] * 500
 
 
+def test_a_short_draft_that_cannot_pay_does_not_stop_longer_ones() -> None:
+    # verify_8 costs 3 decode steps: a 2-token draft cannot pay for it, a 7-token one can
+    spec = Speculator(ScriptedCosts(verify={8: 3.0}), (8,), [])
+    spec._orders[1].accepted = spec._orders[1].checked = 50.0  # 2-token matches: all held
+    generated = [5, 6, 9, 5, 6]  # "5 6" occurred once, followed by 9, 5, 6 (then repeating)
+    assert spec.propose(None, generated, 2) == ()  # at most 2 drafts: cannot pay
+    assert spec.propose(None, generated, 100) == (9, 5, 6, 9, 5, 6, 9)
+
+
 def test_probes_wait_by_their_cost() -> None:
     # verify_4 costs 2 decode steps: it pays only above ~70% acceptance (the prior is 50%); the
     # probes come after 8 steps, then at most one per (2 - 1) / PROBE_BUDGET steps

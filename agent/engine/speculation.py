@@ -190,7 +190,8 @@ class Speculator:
         if k == 0:
             k, ratio = self._probe(kv, c1, len(draft))
             if k == 0:  # no verify call would pay even if every draft held
-                self._wait = PROBE_MAX
+                if self._probe(kv, c1, self._max_k)[0] == 0:  # nor would a longest one
+                    self._wait = PROBE_MAX
                 return ()
             # back off; after the wait, a decline probes, and failed probes stay a small share
             # of the time (the first wait too: a request may be short)
