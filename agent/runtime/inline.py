@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -162,6 +163,25 @@ def _inline(ov: Overlay) -> int:
     return inlined
 
 
+def _copy_weights(src: BinaryIO, dst: BinaryIO, start: int) -> None:
+    """Copy `src` from byte `start` to the end of `dst`: in the kernel where it can
+    (``copy_file_range``, which some filesystems turn into shared extents), else in chunks."""
+    dst.flush()
+    size = os.fstat(src.fileno()).st_size
+    offset = start
+    try:
+        while offset < size:
+            done = os.copy_file_range(src.fileno(), dst.fileno(), size - offset, offset)
+            if done <= 0:
+                break
+            offset += done
+    except (AttributeError, OSError):  # no such call here, or not between these files
+        pass
+    dst.seek(0, os.SEEK_END)
+    src.seek(offset)
+    shutil.copyfileobj(src, dst, _CHUNK)
+
+
 def _flatbuffer_end(view: mmap.mmap) -> int:
     """Where a model file's flatbuffer ends: the first byte of the buffers a large model stores
     after it (offset/size), else the file's length."""
@@ -214,8 +234,7 @@ def prepare_file(
             tmp = Path(dst).with_name(Path(dst).name + ".tmp")
             with open(tmp, "wb") as out:
                 ov.write(out)
-                f.seek(start)
-                shutil.copyfileobj(f, out, _CHUNK)
+                _copy_weights(f, out, start)
             tmp.replace(dst)
     del ov
     give_back_memory()

@@ -199,13 +199,17 @@ class Overlay:
         head = memoryview(builder.Bytes)[builder.Head() :]
         if len(head) % _HEAD_ALIGN:
             raise ModelFormatError(f"overlay head of {len(head)} bytes is not aligned")
-        pad = -len(head) % ALIGN if self.end < len(buf) else 0
+        outside = [  # the offset fields of the buffers stored after the flatbuffer
+            at
+            for pos in self.old_buffers
+            if (at := fbread.field(buf, pos, _BUFFER_OFFSET_SLOT))
+            and U64.unpack_from(buf, at)[0] > 1
+        ]
+        pad = -len(head) % ALIGN if outside else 0
         shift = len(head) + pad
         old = bytearray(buf[: self.end])
-        for pos in self.old_buffers:  # the weights after the flatbuffer move by `shift`
-            at = fbread.field(old, pos, _BUFFER_OFFSET_SLOT)
-            if at and (offset := U64.unpack_from(old, at)[0]) > 1:
-                U64.pack_into(old, at, offset + shift)
+        for at in outside:  # the weights after the flatbuffer move by `shift`
+            U64.pack_into(old, at, U64.unpack_from(old, at)[0] + shift)
         out.write(head)
         out.write(old)
         out.write(b"\0" * pad)
