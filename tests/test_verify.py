@@ -393,3 +393,19 @@ def test_model_inspect_shows_verify_signatures_and_the_load_check(
 def test_windows_of_512_rows_or_more_get_a_longer_prefill(lengths, window, want) -> None:
     assert kv_layout.window_prefills(lengths, window) == want
     assert kv_layout.window_prefills(iter(lengths), window) == want  # any iterable
+
+
+def test_the_interpreter_opens_verify_signatures_only_when_their_arenas_are_small(
+    model, dev_profile, monkeypatch, caplog
+) -> None:
+    """The Interpreter holds each signature's KV in and out in its own arena: for a large KV
+    the verify signatures are not opened (no speculation there), with one line saying so."""
+    from agent.runtime import interpreter
+
+    assert litert.load(model, dev_profile, prefer_interpreter=True).runner.verify_lengths == VERIFY
+    monkeypatch.setattr(interpreter, "VERIFY_ARENA_MAX", 2 * kv_bytes(64) * 2 - 1)
+    with caplog.at_level(logging.INFO, logger="agent.runtime"):
+        runner = litert.load(model, dev_profile, prefer_interpreter=True).runner
+    assert runner.verify_lengths == () and runner.layout.verify == ()
+    assert runner.verify(runner.new_kv(), [1, 2], 0) is None
+    assert "verify signatures not opened on the Interpreter" in caplog.text

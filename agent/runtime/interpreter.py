@@ -9,10 +9,11 @@ are copied back. The KV cache never travels through a signature runner.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -21,6 +22,13 @@ from agent.errors import RuntimeFailure
 from agent.runtime.layout import ModelLayout, Signature
 from agent.runtime.legacy import LEGACY_BACKEND
 from agent.runtime.runner import Logits, RunnerBase, causal_mask
+
+log = logging.getLogger("agent.runtime.litert")  # a load's lines keep the front door's name
+
+# The Interpreter holds every signature's KV inputs and outputs in that signature's arena: a
+# verify signature costs twice a session's KV (94 MiB on the SmolLM-135M shape at KV 1024).
+# Beyond this much for all of them, the verify signatures are not opened (no speculation).
+VERIFY_ARENA_MAX: Final = 32 << 20
 
 
 @dataclass(slots=True)
@@ -55,6 +63,14 @@ class InterpreterRunner(RunnerBase[_HostKV]):
         # KV windows are for the CompiledModel path: the Interpreter allocates every signature's
         # KV inputs in its arena, so each window would cost its KV once per signature.
         self.layout = replace(layout, windows=())
+        arena = 2 * layout.kv.bytes_per_session * len(layout.verify)
+        if arena > VERIFY_ARENA_MAX:
+            log.info(
+                "verify signatures not opened on the Interpreter: their KV arenas would take "
+                "%.0f MiB (speculation is off on this path for this model)",
+                arena / (1 << 20),
+            )
+            self.layout = replace(self.layout, verify=())
         delegates = []
         if delegate is not None:
             delegates.append(load_delegate(delegate[0], delegate[1]))
