@@ -15,7 +15,7 @@ import pytest
 from agent.errors import ModelFormatError
 from agent.runtime import cachefiles, litert
 from agent.runtime import layout as kv_layout
-from agent.runtime.costs import SPAN, CallCosts, RunningMean
+from agent.runtime.costs import OUTLIER, SKIP, SPAN, CallCosts, RunningMean
 from agent.runtime.layout import KVLayout, Signature, Window, discover_layout
 from agent.runtime.modelfile import read_model_file
 from agent.runtime.plan import CALL_COST_TOKENS, call_costs, plan_prefill
@@ -296,12 +296,16 @@ def test_every_call_is_timed_but_the_first_of_each_signature(model, dev_profile)
 
 def test_running_mean_skips_the_first_call_and_follows_a_change() -> None:
     costs = CallCosts(lambda kv, n: "decode" if n == 1 else None)
-    costs.add("decode", 5.0)  # lazy initialisation: not counted
+    for _ in range(SKIP):
+        costs.add("decode", 5.0)  # lazy initialisation, page faults: not counted
     assert costs.mean("decode") is None and costs.count("decode") == 0
     for x in (1.0, 2.0, 3.0):
         costs.add("decode", x)
     assert costs.mean("decode") == 2.0 and costs.count("decode") == 3
-    assert costs.decode_s(object()) == 2.0 and costs.verify_s(object(), 4) is None
+    costs.add("decode", 1000.0)  # descheduled: counts as OUTLIER times the mean
+    assert costs.mean("decode") == (3 * 2.0 + OUTLIER * 2.0) / 4
+    assert costs.decode_s(object()) == costs.mean("decode")
+    assert costs.verify_s(object(), 4) is None
     m = RunningMean()
     for _ in range(10 * SPAN):
         m.add(1.0)
