@@ -140,6 +140,8 @@ def load(
                 runner, kind, prepared = checks.run(runner, kind, acc, prepared, prefer_interpreter)
                 use_plan = cpu[1] if prepared.path != path else plan
             check_speculation(runner, profile, cache_key if acc == "npu" else prepared.cache_key)
+            # the checks' calls are each signature's first: lazy initialisation, page faults
+            runner.costs.clear()
         except (OSError, RuntimeError, ValueError, AcceleratorError) as exc:
             reason = f"{acc}: {_first_line(exc)}"
             log.warning("accelerator %s unavailable (%s); falling back to %s", acc, reason, nxt)
