@@ -8,7 +8,8 @@ Stages (run all, or pick with --stage; each reads what the previous one wrote to
   train   train the decoder (background-friendly: progress goes to stdout / --log).
   export  convert the checkpoint once to float and write the fp32, int8, int4_block32,
           int4_block64 and mixed variants (transposed KV, kv 1024, prefill 32/128/512,
-          no mask input, composites on).
+          no mask input, composites on, verify signatures of 4, 8 and 16 tokens for speculative
+          decoding).
   eval    held-out perplexity of each variant through the `decode` signature, and a check
           that the fp32 .tflite matches torch.
   commit  copy the shippable variants (+ tokenizer, metadata.json) into agent/models/demo/.
@@ -44,9 +45,11 @@ COMMIT_VARIANTS = ("int8", "int4_block32", "int4_block64")
 SIZE_LIMITS = {"int8": 8.5e6, "int4_block32": 10e6, "int4_block64": 10e6, "mixed": 10e6}
 
 MODEL_NAME = "edge-demo-pystdlib"
-MODEL_VERSION = "1.0.0"
+MODEL_VERSION = "1.1.0"
 CONTEXT_LENGTH = 1024
 PREFILL_LENS = (32, 128, 512)
+#: verify_<N> signatures: speculative decoding checks N-1 drafted tokens per call
+VERIFY_LENS = (4, 8, 16)
 #: A code model, not an assistant: the system text becomes a comment, the user text is the
 #: code to continue.
 CHAT_TEMPLATE = "# {system}\n{user}"
@@ -140,6 +143,7 @@ def stage_export(work: Path, args: argparse.Namespace, log: Log) -> None:
         kv_max=CONTEXT_LENGTH,
         mask_as_input=False,
         enable_hlfb=True,
+        verify_lens=VERIFY_LENS,
     )
     t0 = time.monotonic()
     paths = export_variants(
