@@ -327,3 +327,60 @@ def test_sentencepiece_special_text_only_when_asked(demo: Tokenizer) -> None:
     text = demo._sp.id_to_piece(bos) + "x = 1"
     assert bos not in demo.encode(text)
     assert demo.encode(text, special=True) == [bos, *demo._sp.encode("x = 1")]
+
+
+_SPECIAL_TAGS = ["<start_of_turn>", "<end_of_turn>", "<unused_0>", "<unused_10>", "<x>"]
+_SPECIAL_CONTROLS = ["[SEP]", "[SEP]]", "<ctl>"]
+
+
+@pytest.fixture(scope="module")
+def many_specials(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """Tag-like user-defined pieces, control pieces spelled like tags and not (one a prefix of
+    another), and BOS/EOS: what the special-piece scanner must find as one alternation of
+    their texts, longest first, would."""
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(["abc <x> def [SEP] ghi <y> jkl < > <<x>>"] * 50),
+        model_writer=buf,
+        vocab_size=320,
+        hard_vocab_limit=False,
+        byte_fallback=True,
+        add_dummy_prefix=False,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        user_defined_symbols=_SPECIAL_TAGS,
+        control_symbols=_SPECIAL_CONTROLS,
+        bos_piece="<bos>",
+        eos_piece="</s>",
+        minloglevel=2,
+    )
+    path = tmp_path_factory.mktemp("specials") / "tokenizer.model"
+    path.write_bytes(buf.getvalue())
+    return Tokenizer(path)
+
+
+_special_text = st.lists(
+    st.one_of(
+        st.sampled_from([*_SPECIAL_TAGS, *_SPECIAL_CONTROLS, "<bos>", "</s>", "<", ">", "[", "]"]),
+        st.text(st.sampled_from("ab <>[]SEPx_/"), max_size=4),
+    ),
+    max_size=10,
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_special_text)
+def test_property_specials_are_what_one_longest_first_alternation_finds(
+    many_specials: Tokenizer, text: str
+) -> None:
+    import re
+
+    tok = many_specials
+    sp = spm.SentencePieceProcessor(model_file=str(tok.path))
+    texts = sorted({sp.id_to_piece(i) for i in tok.special_ids}, key=len, reverse=True)
+    alternation = re.compile("|".join(re.escape(t) for t in texts))
+    assert [m.span() for m in alternation.finditer(text)] == list(tok._specials(text))
+    tags = re.compile("|".join(re.escape(t) for t in _SPECIAL_TAGS))
+    assert [m.span() for m in tags.finditer(text)] == [m.span() for m in tok._tags_in(text)]
+    special_ids = [sp.piece_to_id(text[a:b]) for a, b in tok._specials(text)]
+    assert [i for i in tok.encode(text, special=True) if i in tok.special_ids] == special_ids

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import codecs
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +61,19 @@ class SentencePieceTokenizer:
         self._bytes = [self._piece_bytes(i) for i in range(self.vocab_size)]
         unk = int(sp.unk_id())
         self.unk_id: int | None = unk if 0 <= unk < self.vocab_size and sp.is_unknown(unk) else None
-        texts = sorted({sp.id_to_piece(i) for i in self.special_ids}, key=len, reverse=True)
-        self._special = re.compile("|".join(re.escape(t) for t in texts if t)) if texts else None
-        self._tags = (
-            re.compile("|".join(re.escape(sp.id_to_piece(i)) for i in sorted(tags)))
-            if tags
-            else None
+        # Tag-like pieces are found by `_TAG` and a set, not by one alternation of their texts:
+        # a tokenizer padded with 45,056 `<unused_N>` pieces took 2.5 s to compile two such
+        # alternations at every load (docs/PERFORMANCE.md). The same matches: a `_TAG` match
+        # ends at the first ">" after its "<" and holds no "<", so a tag starting anywhere is
+        # exactly the `_TAG` match starting there, and none starts inside another match.
+        self._tag_texts = frozenset(str(sp.id_to_piece(i)) for i in tags)
+        others = sorted(
+            {str(sp.id_to_piece(i)) for i in self.special_ids} - self._tag_texts,
+            key=len,
+            reverse=True,
         )
+        self._others = re.compile("|".join(re.escape(t) for t in others if t)) if others else None
+        self._any_special = bool(self._tag_texts) or self._others is not None
         # Models trained with a dummy prefix start every text with "▁"; decode() drops it once.
         first = self._sp.encode("a")
         self._strip_leading_space = bool(first) and self._sp.id_to_piece(first[0]).startswith(
@@ -89,29 +95,54 @@ class SentencePieceTokenizer:
     def encode(self, text: str, *, special: bool = False) -> list[int]:
         """Text → ids (no bos/eos added); `special`: control-piece text becomes their ids."""
         try:
-            if not special or self._special is None:
+            if not special or not self._any_special:
                 return self._plain(text)
             ids: list[int] = []
             pos = 0
-            for m in self._special.finditer(text):
-                if m.start() > pos:
-                    ids += self._plain(text[pos : m.start()])
-                ids.append(int(self._sp.piece_to_id(m.group())))
-                pos = m.end()
+            for start, end in self._specials(text):
+                if start > pos:
+                    ids += self._plain(text[pos:start])
+                ids.append(int(self._sp.piece_to_id(text[start:end])))
+                pos = end
             if pos < len(text):
                 ids += self._plain(text[pos:])
             return ids
         except (TypeError, RuntimeError) as exc:
             raise InvalidRequest(f"cannot tokenize: {exc}") from exc
 
+    def _tags_in(self, text: str, pos: int = 0) -> Iterator[re.Match[str]]:
+        """The tag-like pieces' texts in `text` from `pos`, left to right."""
+        for m in _TAG.finditer(text, pos):
+            if m.group() in self._tag_texts:
+                yield m
+
+    def _specials(self, text: str) -> Iterator[tuple[int, int]]:
+        """(start, end) of every special piece's text in `text`, left to right, the longest
+        where several start at the same place (as one alternation, longest first, finds)."""
+        pos = 0
+        while True:
+            tag = next(self._tags_in(text, pos), None) if self._tag_texts else None
+            other = self._others.search(text, pos) if self._others is not None else None
+            if tag is None and other is None:
+                return
+            if other is None or (
+                tag is not None and (tag.start(), -tag.end()) < (other.start(), -other.end())
+            ):
+                assert tag is not None
+                start, end = tag.span()
+            else:
+                start, end = other.span()
+            yield start, end
+            pos = end
+
     def _plain(self, text: str) -> list[int]:
         """SentencePiece on `text`, with every tag-like user-defined piece's text broken after
         its first character so that SentencePiece cannot match it."""
-        if self._tags is None:
+        if not self._tag_texts:
             return list(self._sp.encode(text))
         ids: list[int] = []
         pos = 0
-        for m in self._tags.finditer(text):
+        for m in self._tags_in(text):
             for part in (text[pos : m.start() + 1], text[m.start() + 1 : m.end()]):
                 if part:
                     ids += self._sp.encode(part)
@@ -128,14 +159,14 @@ class SentencePieceTokenizer:
         text = ""
         for run, template in pieces:
             pos = 0
-            if template and self._special is not None:
-                for m in self._special.finditer(run):
-                    text += run[pos : m.start()]
+            if template and self._any_special:
+                for start, end in self._specials(run):
+                    text += run[pos:start]
                     if text:
                         ids += self.encode(text)
                     text = ""
-                    ids.append(int(self._sp.piece_to_id(m.group())))
-                    pos = m.end()
+                    ids.append(int(self._sp.piece_to_id(run[start:end])))
+                    pos = end
             text += run[pos:]
         if text:
             ids += self.encode(text)
