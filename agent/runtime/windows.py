@@ -35,7 +35,7 @@ import numpy as np
 
 from agent.errors import ModelFormatError
 from agent.runtime.fbread import I8, U8, U32, ints, scalar, table
-from agent.runtime.layout import window_prefill
+from agent.runtime.layout import window_prefills
 from agent.runtime.overlay import Graph, Old, Overlay
 from agent.runtime.schema import schema
 
@@ -263,7 +263,7 @@ def _clone(
 def add_windows(
     ov: Overlay, length: int, windows: tuple[int, ...], read: Reader
 ) -> tuple[int, ...]:
-    """Add ``kv<W>_decode``, ``kv<W>_prefill_<N>`` (N from `window_prefill`) and a
+    """Add ``kv<W>_decode``, ``kv<W>_prefill_<N>`` (N from `window_prefills`) and a
     ``kv<W>_verify_<N>`` for each verify signature shorter than W to `ov` (the copy being
     prepared, `agent.runtime.overlay`) for each W in `windows`; the windows added. `read`
     returns the bytes of a buffer stored after the flatbuffer (a large model's). Raises
@@ -283,9 +283,10 @@ def add_windows(
     shared: dict[bytes, int] = {}
     try:
         for w in windows:
-            n = window_prefill(prefill.values(), w)
+            lengths = window_prefills(prefill.values(), w)
+            chosen = [sorted(k for k, m in prefill.items() if m == n)[0] for n in lengths]
             fits = sorted(k for k, m in verify.items() if m < w)  # every verify length
-            for key in ("decode", *sorted(k for k, m in prefill.items() if m == n)[:1], *fits):
+            for key in ("decode", *chosen, *fits):
                 sig = ov.signature(sigs[key])  # a copy
                 ov.subgraphs.append(_clone(ov, sig.subgraphIndex, length, w, shared, read))
                 sig.subgraphIndex = len(ov.subgraphs) - 1
