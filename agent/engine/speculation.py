@@ -243,6 +243,10 @@ class Speculator:
         self._orders[self._order - 1].add(checked, accepted, DECAY)
         if self._shared is not None:
             self._shared.add(self._order, checked, accepted)
+        if accepted == drafted > 0:
+            # every draft held (a probe that found the text quoting its input again): look at
+            # the next step instead of sitting out the back-off the probe was sent with
+            self._wait, self._due, self._interval = 0, False, PROBE_MIN
         self.drafted += drafted
         self.accepted += accepted
         self.verify_calls += 1
