@@ -66,8 +66,11 @@ def spec_prompts() -> tuple[Path, tuple[str, ...], tuple[str, ...]]:
 
 
 def run_spec(a: argparse.Namespace, skipped: list[str]) -> dict[str, Any] | None:
+    from scripts.peer.workers_spec import SAMPLED
+
     prompts, grounded, opened = spec_prompts()
-    keys = ",".join((*grounded, *opened))
+    sampled = tuple(k + SAMPLED for k in opened)
+    keys = ",".join((*grounded, *opened, *sampled))
     t = max(a.threads)
     q = "int8"
     bundle = pack_litertlm(DEMO, q)
@@ -93,10 +96,11 @@ def run_spec(a: argparse.Namespace, skipped: list[str]) -> dict[str, Any] | None
             )
     out: dict[str, Any] = {"model": "edge-demo-pystdlib (agent/models/demo)", "quant": q}
     out.update(threads=t, tokens=a.tokens, rows=[])
-    for key in (*grounded, *opened):
-        row: dict[str, Any] = {"prompt": key, "kind": key.split(":")[0]}
+    for key in (*grounded, *opened, *sampled):
+        kind = key.split(":")[0] + (" sampled" if key.endswith(SAMPLED) else "")
+        row: dict[str, Any] = {"prompt": key, "kind": kind}
         for name in runs:
-            row[name] = [res["prompts"][key] for res in runs[name]]
+            row[name] = [res["prompts"][key] for res in runs[name] if key in res["prompts"]]
         row["same_tokens"] = all(
             p["ids"] == s["ids"] for p, s in zip(row["plain"], row["spec"], strict=True)
         )
@@ -117,11 +121,13 @@ def _paired(xs: list[dict[str, Any]], ys: list[dict[str, Any]]) -> list[float]:
 def md_spec(s: dict[str, Any]) -> list[str]:
     peer = any(row.get("litertlm") for row in s["rows"])
     lines = [
-        f"Model {s['model']}, {s['quant']}, {s['threads']} threads, {s['tokens']} tokens, greedy. "
+        f"Model {s['model']}, {s['quant']}, {s['threads']} threads, {s['tokens']} tokens. "
         "Grounded prompts: a held-out standard-library file's first "
         f"{GROUNDED_DOC} tokens, then the same file again from its start, to be continued (the "
         "continuation reuses the prompt's text, as an edit of given code does); open-ended: "
-        f"another held-out file's first {OPEN_PROMPT} tokens. Speculation: prompt lookup "
+        f"another held-out file's first {OPEN_PROMPT} tokens, greedy and sampled (`@sampled`: "
+        "temperature 0.8, top-k 40, seed 0; LiteRT-LM not run: its sampler is not ours). "
+        "Speculation: prompt lookup "
         '(`ngram`), adaptive draft length; plain: `speculation = "off"`. Ratios are paired '
         "within a round.",
         "",
@@ -149,7 +155,7 @@ def md_spec(s: dict[str, Any]) -> list[str]:
         )
     lines += ["", "By kind (median over the prompts and rounds of the paired ratios):", ""]
     lines += ["| kind | spec ÷ plain | spec ÷ LiteRT-LM | plain ÷ LiteRT-LM |", "|---|---|---|---|"]
-    for kind in ("grounded", "open"):
+    for kind in ("grounded", "open", "open sampled"):
         rows = [r for r in s["rows"] if r["kind"] == kind]
         sp = [x for r in rows for x in _paired(r["spec"], r["plain"])]
         sl = [x for r in rows if peer for x in _paired(r["spec"], r.get("litertlm") or [])]
@@ -189,27 +195,34 @@ def md_verify_cost(v: dict[str, Any]) -> list[str]:
     from agent.engine.speculation import break_even
 
     lines = [
-        f"{v['threads']} threads, int8, through the runner: the median of {40} calls after 5 "
-        "untimed ones, in the KV window a 64-token prompt decodes in; the median over rounds. "
-        "A verify call of N tokens checks N−1 drafted tokens and yields 1 + the accepted ones; "
-        "break-even is the per-token acceptance at which that pays for the call's cost "
-        "(random weights give no meaningful acceptance on the SmolLM-shaped model).",
+        f"{v['threads']} threads, int8, through the runner: the median of 40 calls after 5 "
+        "untimed ones, after a prompt of 64 tokens (decoding in the 256-row KV window) and of "
+        "448 (the 512-row one); the median over rounds of each round's figure. A verify call "
+        "of N tokens checks N−1 drafted tokens and yields 1 + the accepted ones; break-even is "
+        "the per-token acceptance at which that pays for the call's cost (random weights give "
+        "no meaningful acceptance on the SmolLM-shaped model).",
         "",
-        "| model | decode ms | verify N | verify ms | ÷ decode | break-even acceptance |",
-        "|---|---|---|---|---|---|",
+        "| model | context | KV window | decode ms | verify N | verify ms | ÷ decode "
+        "| break-even acceptance | tokens/s at 90% acceptance ÷ decode |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for m in v["models"]:
         runs = [r for r in m["runs"] if r.get("allowed")]
         if not runs:
-            lines.append(f"| {m['model']} | – | – | – | – | speculation not allowed on this load |")
+            lines.append(f"| {m['model']} | – | – | – | – | – | – | not allowed on this load | – |")
             continue
-        dec = med([r["decode_ms"] for r in runs])
-        for n in sorted(runs[0]["verify_ms"], key=int):
-            ver = med([r["verify_ms"][n] for r in runs])
-            ratio = med([r["verify_ms"][n] / r["decode_ms"] for r in runs])
-            be = break_even(ratio["median"], int(n) - 1)  # n tokens: n - 1 drafts
-            lines.append(
-                f"| {m['model']} | {fmt(dec, 3)} | {n} | {fmt(ver, 3)} | {fmt(ratio, 2)} | "
-                + (f"{be:.0%} |" if be is not None else "never |")
-            )
+        for ctx, first in runs[0]["contexts"].items():
+            points = [r["contexts"][ctx] for r in runs]
+            dec = med([p["decode_ms"] for p in points])
+            for n in sorted(first["verify_ms"], key=int):
+                ver = med([p["verify_ms"][n] for p in points])
+                ratio = med([p["verify_ms"][n] / p["decode_ms"] for p in points])
+                be = break_even(ratio["median"], int(n) - 1)  # n tokens: n - 1 drafts
+                at90 = (1 - 0.9 ** int(n)) / 0.1 / ratio["median"]
+                lines.append(
+                    f"| {m['model']} | {ctx} | {first['kv_rows']} | {fmt(dec, 3)} | {n} | "
+                    f"{fmt(ver, 3)} | {fmt(ratio, 2)} | "
+                    + (f"{be:.0%}" if be is not None else "never")
+                    + f" | {at90:.2f}x |"
+                )
     return lines

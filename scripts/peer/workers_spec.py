@@ -13,6 +13,16 @@ from typing import Any
 from scripts.peer.workers import peak_rss_mib, prompt_text, stream_timing
 
 VERIFY_CALLS = 40  # timed calls per signature (after 5 untimed ones)
+SAMPLED = "@sampled"  # a key ending so: its prompt sampled (temperature 0.8, top-k 40, seed 0)
+
+
+def _sampling(key: str) -> tuple[str, Any]:
+    """A spec key's prompt key and sampling parameters."""
+    from agent.engine.sampler import SamplingParams
+
+    if key.endswith(SAMPLED):
+        return key[: -len(SAMPLED)], SamplingParams(0.8, top_k=40, seed=0)
+    return key, SamplingParams(0.0)
 
 
 def spec_edge(a: argparse.Namespace) -> dict[str, Any]:
@@ -25,16 +35,21 @@ def spec_edge(a: argparse.Namespace) -> dict[str, Any]:
     engine = Engine(load_profile(Path(a.profile)), Path(a.model), quantization=a.quant)
     out: dict[str, Any] = {"engine": "edge", "speculation": a.speculation, "prompts": {}}
 
-    def run(prompt: str, tokens: int) -> tuple[float, float, int, list[int], Any]:
+    greedy = SamplingParams(0.0)
+
+    def run(
+        prompt: str, tokens: int, sampling: Any = greedy
+    ) -> tuple[float, float, int, list[int], Any]:
         req = GenerateRequest(
-            prompt, max_tokens=tokens, sampling=SamplingParams(0.0), speculation=a.speculation
+            prompt, max_tokens=tokens, sampling=sampling, speculation=a.speculation
         )
         return stream_timing(engine.generate(req))
 
     run(prompt_text(64), 8)  # warm-up: page faults, XNNPACK's first runs
     run(prompt_text(a.keys.split(",")[0]), 16)  # and the verify signatures' first runs
     for key in a.keys.split(","):
-        ttft, rate, n, ids, last = run(prompt_text(key), a.tokens)
+        prompt, sampling = _sampling(key)
+        ttft, rate, n, ids, last = run(prompt_text(prompt), a.tokens, sampling)
         st = last.stats
         out["prompts"][key] = {
             "decode_tok_s": rate,
@@ -80,6 +95,8 @@ def spec_litertlm(a: argparse.Namespace) -> dict[str, Any]:
 
     run(prompt_text(64), 8)
     for key in a.keys.split(","):
+        if key.endswith(SAMPLED):  # its sampler is not ours: no paired figure to give
+            continue
         rate, n = run(prompt_text(key), a.tokens)
         out["prompts"][key] = {"decode_tok_s": rate, "decoded": n}
     engine.close()
@@ -88,18 +105,17 @@ def spec_litertlm(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def verify_cost(a: argparse.Namespace) -> dict[str, Any]:
-    """Median seconds of a decode step and of each verify signature's call, in the window a
-    64-token prompt decodes in, through the runner (no engine around it)."""
+    """Median seconds of a decode step and of each verify signature's call after a prompt of
+    64 tokens (the 256-row KV window) and of 448 (the 512-row one), through the runner (no
+    engine around it)."""
     from agent.engine.engine import Engine
     from agent.profile import load_profile
 
     engine = Engine(load_profile(Path(a.profile)), Path(a.model), quantization=a.quant)
     runner: Any = engine.loaded.runner
-    kv = runner.new_kv()
     vocab = runner.layout.vocab_size
-    prompt = [(7919 * i + 11) % vocab for i in range(64)]
-    runner.reserve(kv, 64 + 64, 0)
-    runner.prefill(kv, prompt, 0)
+    prompt = [(7919 * i + 11) % vocab for i in range(448 + 16)]
+    lengths = tuple(getattr(runner, "verify_lengths", ()))
 
     def timed(call: Any) -> float:
         for _ in range(5):
@@ -111,14 +127,19 @@ def verify_cost(a: argparse.Namespace) -> dict[str, Any]:
             xs.append(time.perf_counter() - t0)
         return statistics.median(xs)
 
-    out: dict[str, Any] = {
-        "engine": "edge",
-        "decode_ms": 1e3 * timed(lambda: runner.decode(kv, 5, 64)),
-    }
-    lengths = tuple(getattr(runner, "verify_lengths", ()))
-    out["verify_ms"] = {
-        str(n): 1e3 * timed(lambda n=n: runner.verify(kv, prompt[:n], 64)) for n in lengths
-    }
-    out["allowed"] = bool(lengths)
+    out: dict[str, Any] = {"engine": "edge", "allowed": bool(lengths), "contexts": {}}
+    for ctx in (64, 448):
+        kv = runner.new_kv()
+        runner.reserve(kv, ctx + 32, 0)
+        runner.prefill(kv, prompt[:ctx], 0)
+        point: dict[str, Any] = {
+            "decode_ms": 1e3 * timed(lambda kv=kv, ctx=ctx: runner.decode(kv, 5, ctx))
+        }
+        point["verify_ms"] = {
+            str(n): 1e3 * timed(lambda n=n, kv=kv, ctx=ctx: runner.verify(kv, prompt[:n], ctx))
+            for n in lengths
+        }
+        point["kv_rows"] = kv.nbytes // runner.layout.kv.bytes_per_token
+        out["contexts"][str(ctx)] = point
     engine.close()
     return out
