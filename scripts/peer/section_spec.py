@@ -119,7 +119,6 @@ def _paired(xs: list[dict[str, Any]], ys: list[dict[str, Any]]) -> list[float]:
 
 
 def md_spec(s: dict[str, Any]) -> list[str]:
-    peer = any(row.get("litertlm") for row in s["rows"])
     lines = [
         f"Model {s['model']}, {s['quant']}, {s['threads']} threads, {s['tokens']} tokens. "
         "Grounded prompts: a held-out standard-library file's first "
@@ -158,8 +157,10 @@ def md_spec(s: dict[str, Any]) -> list[str]:
     for kind in ("grounded", "open", "open sampled"):
         rows = [r for r in s["rows"] if r["kind"] == kind]
         sp = [x for r in rows for x in _paired(r["spec"], r["plain"])]
-        sl = [x for r in rows if peer for x in _paired(r["spec"], r.get("litertlm") or [])]
-        pl = [x for r in rows if peer for x in _paired(r["plain"], r.get("litertlm") or [])]
+        sl = [x for r in rows if r.get("litertlm") for x in _paired(r["spec"], r["litertlm"])]
+        pl = [x for r in rows if r.get("litertlm") for x in _paired(r["plain"], r["litertlm"])]
+        if not sp:
+            continue
         lines.append(
             f"| {kind} | {fmt(med(sp), 2)} | {fmt(med(sl), 2) if sl else '–'} | "
             f"{fmt(med(pl), 2) if pl else '–'} |"
