@@ -203,6 +203,16 @@ def _engine(s: AgentStatus) -> Iterator[Metric]:
         "Requests ended because the model gave NaN/inf logits (this engine)",
         e.nonfinite_logits,
     )
+    yield _counter(
+        "edge_agent_speculative_drafted_tokens",
+        "Drafted tokens checked by verify calls, finished requests (this engine)",
+        e.drafted_tokens,
+    )
+    yield _counter(
+        "edge_agent_speculative_accepted_tokens",
+        "Drafted tokens that held, finished requests (this engine)",
+        e.accepted_tokens,
+    )
 
 
 def _tiers(s: AgentStatus) -> Iterator[Metric]:

@@ -71,7 +71,7 @@ def agent_status(**over: Any) -> AgentStatus:
         queue_depth=3, queue_capacity=16, active=2, max_active=4, requests_total=50,
         requests_failed=1, requests_rejected=2, requests_cancelled=3, tokens_generated=900,
         ttft_ms=Percentiles(1.0, 2.0), decode_tok_s=Percentiles(3.0, 4.0), heartbeat_age_s=0.25,
-        nonfinite_logits=7,
+        nonfinite_logits=7, drafted_tokens=120, accepted_tokens=95,
     )  # fmt: skip
     base = AgentStatus(
         profile="rpi5-8gb", version="0.3.0", state="serving", uptime_s=12.5, rss_bytes=40 * MIB,
@@ -105,6 +105,8 @@ def test_every_status_figure_is_exported_with_its_type_and_labels() -> None:
         ("edge_agent_slots", ()): 4,
         ("edge_agent_engine_heartbeat_age_seconds", ()): 0.25,
         ("edge_agent_nonfinite_logits_total", ()): 7,
+        ("edge_agent_speculative_drafted_tokens_total", ()): 120,
+        ("edge_agent_speculative_accepted_tokens_total", ()): 95,
         ("edge_agent_uptime_seconds", ()): 12.5,
         ("edge_agent_resident_memory_bytes", ()): 40 * MIB,
         ("edge_agent_memory_budget_bytes", ()): 64 * MIB,

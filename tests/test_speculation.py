@@ -863,3 +863,27 @@ def test_every_family_identical(verify_families, combo, dev_profile_data, always
         assert calls > 0
     finally:
         engine.close()
+
+
+def test_client_commands_pass_speculation_to_the_daemon() -> None:
+    """`edge-agent client generate|chat --speculation MODE` puts it in the gRPC request; absent,
+    the field stays empty (the daemon's profile decides)."""
+    import argparse
+
+    from agent.cli.client import add_client_parser
+    from agent.rpc.client import build_request
+
+    parser = argparse.ArgumentParser()
+    add_client_parser(parser.add_subparsers())
+    for argv in (["client", "generate", "x"], ["client", "chat", "x"]):
+        assert parser.parse_args(argv).speculation is None
+        args = parser.parse_args([*argv, "--speculation", "off"])
+        req = build_request(
+            "x", None, max_tokens=None, temperature=None, top_k=None, top_p=None, seed=None,
+            stop=[], speculation=args.speculation,
+        )  # fmt: skip
+        assert req.speculation == "off"
+    req = build_request(
+        "x", None, max_tokens=None, temperature=None, top_k=None, top_p=None, seed=None, stop=[]
+    )
+    assert req.speculation == ""

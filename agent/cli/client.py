@@ -50,6 +50,7 @@ def _generate_via_socket(args: argparse.Namespace, chat: list[tuple[str, str]] |
         seed=args.seed,
         stop=args.stop,
         session=args.session,
+        speculation=args.speculation,
     )
     got = Partial()
     started = time.monotonic()

@@ -53,4 +53,11 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+    p.add_argument(
+        "--speculation",
+        choices=("off", "ngram", "draft"),
+        help="speculative decoding: off, or ngram (drafts from the prompt and the text so far;"
+        " the output is the same); default: the profile's generation.speculation. draft (a"
+        " second model) is not available yet",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")

@@ -125,11 +125,4 @@ def add_generate_parser(subparsers: argparse._SubParsersAction[argparse.Argument
     )
     p.add_argument("--quantization", help="pick this variant instead of the profile's choice")
     _sampling_args(p)
-    p.add_argument(
-        "--speculation",
-        choices=("off", "ngram", "draft"),
-        help="speculative decoding: off, or ngram (drafts from the prompt and the text so far;"
-        " the output is the same); default: the profile's generation.speculation. draft (a"
-        " second model) is not available yet",
-    )
     p.set_defaults(func=cmd_generate)

@@ -202,8 +202,11 @@ def build_request(
     seed: int | None,
     stop: Sequence[str],
     session: str | None = None,
+    speculation: str | None = None,
 ) -> pb.GenerateRequest:
-    req = pb.GenerateRequest(stop=list(stop), session_id=session or "")
+    req = pb.GenerateRequest(
+        stop=list(stop), session_id=session or "", speculation=speculation or ""
+    )
     if chat is not None:
         req.chat.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in chat)
     else:
