@@ -196,11 +196,11 @@ class Speculator:
             # back off; after the wait, a decline probes, and failed probes stay a small share
             # of the time (the first wait too: a request may be short)
             due, self._due = self._due, True
-            if due:
-                self._interval = min(2 * self._interval, PROBE_MAX)
-            self._wait = max(self._interval, math.ceil((ratio - 1.0) / PROBE_BUDGET))
-            if not due:
+            if not due:  # the first decline: probe soon (a draft right after a prompt often
+                self._wait = self._interval  # fails where the text goes on quoting it later)
                 return ()
+            self._interval = min(2 * self._interval, PROBE_MAX)
+            self._wait = max(self._interval, math.ceil((ratio - 1.0) / PROBE_BUDGET))
         else:
             self._due, self._interval = False, PROBE_MIN
         self._order = order
