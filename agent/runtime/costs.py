@@ -84,7 +84,7 @@ class CallCosts:
         return self._seen.get(key, 0) + self.count(key)
 
     def means(self) -> dict[str, float]:
-        """Every measured signature's mean seconds (a copy: what `plan_prefill` takes)."""
+        """Every measured signature's mean seconds (a copy)."""
         return {k: m.mean for k, m in self._means.items()}
 
     def decode_s(self, kv: Any) -> float | None:

@@ -8,7 +8,6 @@ Nothing here imports numpy or LiteRT: the engine's stats and the fleet carry a `
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final
@@ -73,34 +72,22 @@ class Call:
 CALL_COST_TOKENS: Final = 8
 
 
-def call_costs(window: Window, measured: Mapping[str, float] | None = None) -> dict[str, float]:
-    """What one call of each prefill and decode signature of `window` costs: its measured
-    mean seconds (`agent.runtime.costs`) where `measured` has it; an unmeasured one the token
-    model's ``CALL_COST_TOKENS + L`` scaled to seconds by the measured ones (the mean of their
-    measured / modelled ratios); with nothing measured, the token model itself."""
-    model = {s.key: float(CALL_COST_TOKENS + s.length) for s in (*window.prefill, window.decode)}
-    known = {k: measured[k] for k in model if measured and measured.get(k, 0.0) > 0.0}
-    if not known:
-        return model
-    scale = sum(known[k] / model[k] for k in known) / len(known)
-    return {k: known.get(k, cost * scale) for k, cost in model.items()}
-
-
-def plan_prefill(
-    window: Window, n: int, start: int, measured: Mapping[str, float] | None = None
-) -> list[Call]:
+def plan_prefill(window: Window, n: int, start: int) -> list[Call]:
     """Split `n` tokens starting at position `start` into the cheapest signature calls of one
     KV window (never its verify signatures).
 
-    A call costs what `call_costs` says: measured seconds once the runner has timed the
-    signature, else ``CALL_COST_TOKENS + L`` (padding included), so 63 tokens go through two
-    32-token calls rather than one padded 128-token call, and a few last tokens through decode.
+    A call of a signature of length L costs ``CALL_COST_TOKENS + L`` (padding included), so 63
+    tokens go through two 32-token calls rather than one padded 128-token call, and a few last
+    tokens through decode. Not the runner's measured costs (`agent.runtime.costs`, which the
+    speculation policy uses): another split of the same tokens computes the same logits up to
+    rounding, so a plan that followed timings would make the tokens of a greedy or seeded
+    request depend on how busy the machine was (seen: a constrained request on a random tiny
+    model closed its JSON in one run and not in another).
     A padded call must not run past the end of the cache (the model's DYNAMIC_UPDATE_SLICE
     would clamp and overwrite valid rows), so near the end only shorter signatures, and finally
     decode, qualify. Ties go to the longer signature first.
     """
     ctx = window.length
-    cost_of = call_costs(window, measured)
     candidates = sorted((*window.prefill, window.decode), key=lambda s: -s.length)
     # best[r]: (cost, signature of the first call) to prefill the last r of the n tokens
     none: tuple[float, Signature | None] = (float("inf"), None)
@@ -110,7 +97,7 @@ def plan_prefill(
         for sig in candidates:
             if pos + sig.length > ctx:
                 continue
-            cost = cost_of[sig.key] + best[r - min(r, sig.length)][0]
+            cost = CALL_COST_TOKENS + sig.length + best[r - min(r, sig.length)][0]
             if cost < best[r][0]:
                 best[r] = (cost, sig)
     calls: list[Call] = []

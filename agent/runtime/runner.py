@@ -212,7 +212,7 @@ class RunnerBase(Generic[_K]):
     def prefill(self, kv: KVCache, tokens: Sequence[int], start: int) -> None:
         own = self._own(kv)
         self._grow(own, start + len(tokens), start)
-        for call in plan_prefill(self._window(own), len(tokens), start, self.costs.means()):
+        for call in plan_prefill(self._window(own), len(tokens), start):
             chunk = tokens[call.offset : call.offset + call.count]
             self._call(call.signature, own, chunk, start + call.offset)
 
