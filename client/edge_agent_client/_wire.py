@@ -109,11 +109,14 @@ def generate_request(
     json_object: bool,
     regex: str | None,
     grammar: str | None,
+    speculation: str | None = None,
 ) -> pb.GenerateRequest:
     """The GenerateRequest for a prompt (a string) or chat messages (a sequence)."""
     if isinstance(stop, str):
         raise TypeError("stop is a sequence of strings, not one string")
-    request = pb.GenerateRequest(stop=list(stop), session_id=session_id or "")
+    request = pb.GenerateRequest(
+        stop=list(stop), session_id=session_id or "", speculation=speculation or ""
+    )
     if isinstance(prompt, str):
         request.prompt = prompt
     else:

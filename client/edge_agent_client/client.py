@@ -145,10 +145,12 @@ class Client:
         json_object: bool = False,
         regex: str | None = None,
         grammar: str | None = None,
+        speculation: str | None = None,
     ) -> Generation:
         """Start generating from a prompt (a string) or chat messages (`Message`s, dicts or
         (role, content) pairs). Unset sampling fields take the profile's defaults; at most one
-        of json_schema / json_object / regex / grammar constrains the output."""
+        of json_schema / json_object / regex / grammar constrains the output. `speculation`:
+        "off" or "ngram" (the output is the same either way); None: the profile's."""
         request = _wire.generate_request(
             prompt,
             max_tokens=max_tokens,
@@ -162,6 +164,7 @@ class Client:
             json_object=json_object,
             regex=regex,
             grammar=grammar,
+            speculation=speculation,
         )
         call = self._generate(request, timeout=self.generate_timeout, metadata=self._metadata)
         return Generation(call)

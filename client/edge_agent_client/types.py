@@ -41,6 +41,9 @@ class Stats:
     queue_ms: float
     cached_tokens: int  # prompt tokens whose KV was reused (session, shared prefix)
     truncated_tokens: int  # history a "truncate" session dropped to fit this turn
+    drafted_tokens: int  # speculative decoding: drafts checked by verify calls
+    accepted_tokens: int  # the drafts that held (acceptance = accepted / drafted)
+    verify_calls: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +143,8 @@ class Status:
     model: str
     kv: KVTiers
     nonfinite_logits: int
+    drafted_tokens: int  # speculative decoding, over every finished request
+    accepted_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
