@@ -32,7 +32,8 @@ class EventPipe:
     """Engine thread → event loop, at most one message per `interval_s`.
 
     An event wakes the loop at once when the last message went out `interval_s` ago or more
-    (so the first token, and every token of a slow model, go out without delay), when it ends
+    (so the first token, and every token of a slow model, go out without delay; the first
+    message holds the first event alone, however late the loop wakes), when it ends
     the request, or when `flush_at` events are waiting (the engine pauses a request whose
     consumer leaves `limits.max_pending_events` unread: the interval must not throttle a fast
     model); events in between wait for the loop's timer and go out together. Each
@@ -80,7 +81,11 @@ class EventPipe:
             self._ready.clear()
             self._woken = False
         batch = [self._items.popleft()]
-        while self._items and batch[-1].finish_reason is None:
+        # the first message is the first event alone: a fast model (the demo model speculating
+        # decodes 100 tokens in ~7 ms) may have finished before the loop woke for it, and its
+        # first token must still go out as it came, not merged with the whole answer
+        first = self._due == 0.0
+        while not first and self._items and batch[-1].finish_reason is None:
             batch.append(self._items.popleft())
         self._due = time.monotonic() + self._interval
         return batch
