@@ -83,10 +83,6 @@ class CallCosts:
         """Timed calls of signature `key` since the last `clear`, counted or not."""
         return self._seen.get(key, 0) + self.count(key)
 
-    def means(self) -> dict[str, float]:
-        """Every measured signature's mean seconds (a copy)."""
-        return {k: m.mean for k, m in self._means.items()}
-
     def decode_s(self, kv: Any) -> float | None:
         """The mean seconds of the decode call `kv` would make now."""
         key = self._signature_of(kv, 1)
