@@ -63,7 +63,14 @@ FLEET = (
     "health_min_interval_s",
     "max_command_bytes",
     "max_events",
+    "group",
+    "tags",
+    "encoding",
 )
+FLEET_ENCODINGS = ("protobuf", "json")
+GROUP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
+TAG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:=/-]{0,127}")
+MAX_TAGS = 32
 UPDATES = (
     "trusted_keys_dir",
     "trial_s",
@@ -162,6 +169,9 @@ class FleetConfig:
     health_min_interval_s: float = 5.0  # on change: not more often than this
     max_command_bytes: int = 64 * 1024  # larger command payloads get RESOURCE_EXHAUSTED
     max_events: int = 1000  # events kept on disk while the broker is unreachable
+    group: str = ""  # the device group rollouts and `fleet watch --group` target ("" = none)
+    tags: tuple[str, ...] = ()  # free-form labels announced in birth and health
+    encoding: str = "protobuf"  # payloads: "protobuf" (binary) or "json" (its JSON mapping)
 
 
 def parse_broker(source: str, key: str, value: str) -> Broker:
@@ -395,11 +405,33 @@ def _parse_fleet(t: Table, source: str) -> FleetConfig:
         else d.health_min_interval_s,
         max_command_bytes=t.size("max_command_bytes", 1024, 64 << 20, d.max_command_bytes),
         max_events=t.integer("max_events", 1, 1_000_000, d.max_events),
+        group=_fleet_group(t),
+        tags=_fleet_tags(t),
+        encoding=t.choice("encoding", FLEET_ENCODINGS) if "encoding" in t.raw else d.encoding,
     )
     if (fleet.cert_file is None) != (fleet.key_file is None):
         missing = "key_file" if fleet.key_file is None else "cert_file"
         raise t.error(missing, None, "cert_file and key_file together (mutual TLS)")
     return fleet
+
+
+def _fleet_group(t: Table) -> str:
+    group = t.optional_text("group") or ""
+    if group and not GROUP_RE.fullmatch(group):
+        raise t.error("group", group, "1-64 of A-Z a-z 0-9 _ . : - (a letter or digit first)")
+    return group
+
+
+def _fleet_tags(t: Table) -> tuple[str, ...]:
+    tags = t.text_list("tags", ())
+    for tag in tags:
+        if not TAG_RE.fullmatch(tag):
+            raise t.error(
+                "tags", tag, "1-128 of A-Z a-z 0-9 _ . : = / - each (a letter or digit first)"
+            )
+    if len(tags) > MAX_TAGS or len(set(tags)) != len(tags):
+        raise t.error("tags", list(tags), f"at most {MAX_TAGS} distinct tags")
+    return tags
 
 
 def _is_mode(text: str) -> bool:
