@@ -12,6 +12,9 @@ the broker.
   on PUBACK: in order and none lost across a disconnect or a restart.
 * Commands arrive on this thread and are handed to `on_command` with a `reply` callable that
   any thread may call.
+* Everything goes out in `opts.encoding` (protobuf or its JSON mapping) with MQTT 5's
+  Content-Type and Payload Format Indicator; commands and blocks are read in either encoding
+  (`agent.fleet.codec`).
 """
 
 from __future__ import annotations
@@ -26,14 +29,16 @@ from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
-from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as ProtoMessage
 
+from agent.fleet.codec import JSON, PayloadError, decode, sniff
 from agent.fleet.mqtt import (
     MqttOptions,
     connect_properties,
+    decode_message,
     new_client,
-    publish_properties,
+    outgoing,
+    payload_content,
     response_route,
 )
 from agent.fleet.outbox import Outbox
@@ -47,6 +52,9 @@ log = logging.getLogger(__name__)
 BACKOFF_MIN_S = 1.0
 BACKOFF_MAX_S = 120.0
 LOOP_S = 0.1  # how often the network thread looks at pending health and events
+# A JSON command is read if it is at most this many times `max_command_bytes` (base64 bodies,
+# field names), and then its protobuf size counts against the limit.
+JSON_READ_FACTOR = 2
 
 
 class Backoff:
@@ -159,10 +167,8 @@ class FleetLink:
         self._wake.set()
 
     def reply(self, route: Route, response: fpb.CommandResponse) -> None:
-        props = publish_properties(
-            self.opts, "edge_agent.fleet.v1.CommandResponse", correlation=route.correlation
-        )
-        self._client.publish(route.topic, response.SerializeToString(), qos=1, properties=props)
+        payload, props = outgoing(self.opts, response, correlation=route.correlation)
+        self._client.publish(route.topic, payload, qos=1, properties=props)
 
     def fetch_block(self, request: opb.BlockRequest, timeout_s: float) -> opb.Block | None:
         """Ask the block server for one payload block; None if none came within `timeout_s`."""
@@ -170,10 +176,8 @@ class FleetLink:
         with self._block_cv:
             self._blocks[key] = []
         try:
-            props = publish_properties(self.opts, "edge_agent.ota.v1.BlockRequest")
-            self._client.publish(
-                self.topics.block_request, request.SerializeToString(), qos=1, properties=props
-            )
+            payload, props = outgoing(self.opts, request)
+            self._client.publish(self.topics.block_request, payload, qos=1, properties=props)
             with self._block_cv:
                 self._block_cv.wait_for(lambda: bool(self._blocks[key]), timeout_s)
                 got = self._blocks[key]
@@ -229,14 +233,8 @@ class FleetLink:
 
     def _connect(self) -> None:
         self.session = self._sessions.next()
-        will = self._state(fpb.DeviceState.LOST, self.session)
-        self._client.will_set(
-            self.topics.state,
-            will.SerializeToString(),
-            qos=1,
-            retain=True,
-            properties=publish_properties(self.opts, "edge_agent.fleet.v1.DeviceState"),
-        )
+        will, props = outgoing(self.opts, self._state(fpb.DeviceState.LOST, self.session))
+        self._client.will_set(self.topics.state, will, qos=1, retain=True, properties=props)
         b = self.opts.broker
         if self.opts.v5:
             self._client.connect(
@@ -282,24 +280,15 @@ class FleetLink:
             event = self._outbox.peek()
             if event is not None:
                 topic = self.topics.update_status if event.HasField("update") else self.topics.event
-                info = self._client.publish(
-                    topic,
-                    event.SerializeToString(),
-                    qos=1,
-                    properties=publish_properties(self.opts, "edge_agent.fleet.v1.Event"),
-                )
+                payload, props = outgoing(self.opts, event)
+                info = self._client.publish(topic, payload, qos=1, properties=props)
                 if info.rc == mqtt.MQTT_ERR_SUCCESS:
                     self._event_mid, self._event_seq = info.mid, event.seq
 
     def _publish(self, topic: str, msg: ProtoMessage, retain: bool) -> mqtt.MQTTMessageInfo:
         """Publish with QoS 1 (paho queues it while the socket is down)."""
-        info = self._client.publish(
-            topic,
-            msg.SerializeToString(),
-            qos=1,
-            retain=retain,
-            properties=publish_properties(self.opts, msg.DESCRIPTOR.full_name),
-        )
+        payload, props = outgoing(self.opts, msg)
+        info = self._client.publish(topic, payload, qos=1, retain=retain, properties=props)
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             log.warning("fleet: publishing %s failed: %s", topic, mqtt.error_string(info.rc))
         return info
@@ -312,7 +301,7 @@ class FleetLink:
 
     def _on_message(self, _c: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
         if msg.topic == self.topics.block_data:
-            self._on_block(bytes(msg.payload))
+            self._on_block(msg)
             return
         name = msg.topic.rsplit("/", 1)[-1]
         if msg.retain:
@@ -320,19 +309,7 @@ class FleetLink:
             log.warning("fleet: ignored a retained command on %s", msg.topic)
             return
         topic, correlation = response_route(msg)
-        command = fpb.Command()
-        problem: tuple[fpb.CommandResponse.Code, str] | None = None
-        if len(msg.payload) > self._max_command:
-            problem = (
-                fpb.CommandResponse.RESOURCE_EXHAUSTED,
-                f"command payload of {len(msg.payload)} bytes is over the limit of "
-                f"{self._max_command} bytes",
-            )
-        else:
-            try:
-                command.ParseFromString(msg.payload)
-            except DecodeError as exc:
-                problem = (fpb.CommandResponse.INVALID_ARGUMENT, f"malformed Command: {exc}")
+        command, problem = self._read_command(msg)
         if topic is None and command.reply_topic:  # MQTT 3.1.1 carries the route inside
             topic, correlation = command.reply_topic, command.correlation or None
         if topic is None:
@@ -353,11 +330,35 @@ class FleetLink:
         log.info("fleet: command %s received", name)
         self._on_command(name, command, lambda response: self.reply(route, response))
 
-    def _on_block(self, payload: bytes) -> None:
+    def _read_command(
+        self, msg: mqtt.MQTTMessage
+    ) -> tuple[fpb.Command, tuple[fpb.CommandResponse.Code, str] | None]:
+        """The command in `msg`, or what is wrong with it. `max_command_bytes` counts the
+        command as protobuf: a JSON payload up to JSON_READ_FACTOR times that is read first."""
+        size, limit = len(msg.payload), self._max_command
+        content = payload_content(msg)
+        is_json = (content.encoding if content is not None else sniff(msg.payload)) == JSON
+        too_big = (
+            fpb.CommandResponse.RESOURCE_EXHAUSTED,
+            f"command payload of {size} bytes is over the limit of {limit} bytes",
+        )
+        if size > limit * (JSON_READ_FACTOR if is_json else 1):
+            return fpb.Command(), too_big
         try:
-            block = opb.Block.FromString(payload)
-        except DecodeError:
-            log.warning("fleet: malformed update block ignored")
+            command = decode(fpb.Command, bytes(msg.payload), content)
+        except PayloadError as exc:
+            invalid = fpb.CommandResponse.INVALID_ARGUMENT
+            return fpb.Command(), (invalid, f"malformed Command: {exc}")
+        if is_json and command.ByteSize() > limit:
+            why = f"command of {command.ByteSize()} bytes (as protobuf) is over the limit of "
+            return command, (fpb.CommandResponse.RESOURCE_EXHAUSTED, f"{why}{limit} bytes")
+        return command, None
+
+    def _on_block(self, msg: mqtt.MQTTMessage) -> None:
+        try:
+            block = decode_message(opb.Block, msg)
+        except PayloadError as exc:
+            log.warning("fleet: malformed update block ignored: %s", exc)
             return
         with self._block_cv:
             waiting = self._blocks.get((block.update_id, block.offset))

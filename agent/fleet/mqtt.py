@@ -1,7 +1,9 @@
 """One way to make a paho-mqtt client for the fleet link, used by the agent and by the operator
 tools: protocol (MQTT 5 by default, 3.1.1 for old brokers), TLS and mutual TLS, username and a
-password read from a file, and the payload properties (content-type, response topic,
-correlation data)."""
+password read from a file, and the payload's properties: MQTT 5's Content-Type and Payload
+Format Indicator, the older `content-type` user property, response topic and correlation data.
+`outgoing` encodes a message with its properties, `decode_message` reads one back
+(`agent.fleet.codec` does the encoding)."""
 
 from __future__ import annotations
 
@@ -9,18 +11,28 @@ import dataclasses
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import paho.mqtt.client as mqtt
+from google.protobuf.message import Message as ProtoMessage
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from agent.config import Broker, FleetConfig
 from agent.errors import ConfigError
-from agent.fleet.topics import content_type, message_type
+from agent.fleet.codec import (
+    PROTOBUF,
+    ContentType,
+    content_type,
+    decode,
+    encode,
+    format_indicator,
+    parse_content_type,
+)
 
-CONTENT_TYPE_KEY = "content-type"
+CONTENT_TYPE_KEY = "content-type"  # the user property older operator tools read
+M = TypeVar("M", bound=ProtoMessage)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +47,7 @@ class MqttOptions:
     username: str | None = None
     password_file: Path | None = None
     keepalive_s: int = 60
+    encoding: str = PROTOBUF  # what we publish: "protobuf" or "json"; we read both
 
     @classmethod
     def from_config(cls, fleet: FleetConfig) -> MqttOptions:
@@ -107,11 +120,15 @@ def publish_properties(
     response_topic: str | None = None,
     correlation: bytes | None = None,
 ) -> Properties | None:
-    """PUBLISH properties naming the payload's protobuf message (MQTT 5; None on 3.1.1)."""
+    """PUBLISH properties naming the payload (MQTT 5; None on 3.1.1): Content-Type and the
+    `content-type` user property in `opts.encoding`, the Payload Format Indicator."""
     if not opts.v5:
         return None
     props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
-    props.UserProperty = [(CONTENT_TYPE_KEY, content_type(message_name))]
+    ctype = content_type(message_name, opts.encoding)
+    props.ContentType = ctype
+    props.PayloadFormatIndicator = format_indicator(opts.encoding)
+    props.UserProperty = [(CONTENT_TYPE_KEY, ctype)]
     if response_topic is not None:
         props.ResponseTopic = response_topic
     if correlation is not None:
@@ -119,12 +136,40 @@ def publish_properties(
     return props
 
 
+def outgoing(
+    opts: MqttOptions,
+    msg: ProtoMessage,
+    *,
+    response_topic: str | None = None,
+    correlation: bytes | None = None,
+) -> tuple[bytes, Properties | None]:
+    """`msg` encoded as `opts.encoding` says, and the PUBLISH properties that name it."""
+    props = publish_properties(
+        opts, msg.DESCRIPTOR.full_name, response_topic=response_topic, correlation=correlation
+    )
+    return encode(msg, opts.encoding), props
+
+
+def payload_content(msg: mqtt.MQTTMessage) -> ContentType | None:
+    """What a received message says it carries: MQTT 5's Content-Type, else the `content-type`
+    user property; None without either (MQTT 3.1.1)."""
+    props: Any = getattr(msg, "properties", None)
+    value = getattr(props, "ContentType", None) if props is not None else None
+    if not value:
+        value = next((v for k, v in _user_properties(msg) if k == CONTENT_TYPE_KEY), None)
+    return parse_content_type(value) if value else None
+
+
 def payload_type(msg: mqtt.MQTTMessage) -> str | None:
-    """The protobuf message name a received message says it carries, if any."""
-    for key, value in _user_properties(msg):
-        if key == CONTENT_TYPE_KEY:
-            return message_type(value)
-    return None
+    """The message name a received message's content type gives, if any."""
+    content = payload_content(msg)
+    return content.message if content is not None else None
+
+
+def decode_message(cls: type[M], msg: mqtt.MQTTMessage) -> M:
+    """A received payload as a `cls`, in either encoding (`agent.fleet.codec.decode`); raises
+    `agent.fleet.codec.PayloadError`."""
+    return decode(cls, bytes(msg.payload), payload_content(msg))
 
 
 def response_route(msg: mqtt.MQTTMessage) -> tuple[str | None, bytes | None]:

@@ -1,4 +1,4 @@
-"""Topic names of the fleet link and the content-type property that names each payload."""
+"""Topic names of the fleet link (which message each carries: `agent.fleet.codec.TOPIC_TYPES`)."""
 
 from __future__ import annotations
 
@@ -9,24 +9,9 @@ from typing import Final
 from agent.config import DEVICE_ID_RE
 
 DEFAULT_PREFIX: Final = "fleet/v1"
-CONTENT_TYPE: Final = "application/x-protobuf"
 COMMAND_RE: Final = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 KINDS: Final = ("state", "health", "event", "cmd", "resp", "update")
 UPDATE_TOPICS: Final = ("status", "block", "data")
-
-
-def content_type(message_name: str) -> str:
-    """The content-type user property of a payload: tools pick the message type from it."""
-    return f"{CONTENT_TYPE}; type={message_name}"
-
-
-def message_type(content: str) -> str | None:
-    """The message name in a content-type property, or None if it is not one of ours."""
-    head, _, rest = content.partition(";")
-    if head.strip() != CONTENT_TYPE:
-        return None
-    key, _, value = rest.strip().partition("=")
-    return value.strip() if key.strip() == "type" and value.strip() else None
 
 
 def check_device_id(device_id: str) -> str:
