@@ -53,6 +53,7 @@ def _connection(args: argparse.Namespace) -> tuple[MqttOptions, FleetConfig]:
         username=args.username if args.username is not None else fleet.username,
         password_file=path("password_file", fleet.password_file),
         keepalive_s=fleet.keepalive_s,
+        encoding=fleet.encoding,
     )
     return opts, fleet
 

@@ -18,10 +18,10 @@ from collections.abc import Callable, Mapping
 from typing import Final, TextIO
 
 import paho.mqtt.client as mqtt
-from google.protobuf.message import DecodeError
 
+from agent.fleet.codec import PayloadError
 from agent.fleet.digest import Presence
-from agent.fleet.mqtt import MqttOptions, payload_type, publish_properties
+from agent.fleet.mqtt import MqttOptions, decode_message, outgoing, payload_content, payload_type
 from agent.fleet.operator_link import _PUMP_S, FleetError, _client_id, _Link, _Timeout
 from agent.fleet.render import render
 from agent.fleet.topics import COMMAND_RE, Topics, check_device_id
@@ -77,6 +77,7 @@ def watch(
             received,
             retained=bool(msg.retain),
             message_type=payload_type(msg),
+            content=payload_content(msg),
         ):
             changed[0] = True
         if msg.retain:
@@ -253,7 +254,7 @@ def send(
 
     def on_message(msg: mqtt.MQTTMessage) -> None:
         if msg.topic == topics.state:
-            _keep_state(bytes(msg.payload), states)
+            _keep_state(msg, states)
             return
         if msg.topic != reply_topic or msg.retain:
             return
@@ -263,9 +264,9 @@ def send(
                 log.info("ignoring a response on %s with other correlation data", msg.topic)
                 return
         try:
-            resp = pb.CommandResponse.FromString(bytes(msg.payload))
-        except DecodeError:
-            log.warning("ignoring a malformed response on %s", msg.topic)
+            resp = decode_message(pb.CommandResponse, msg)
+        except PayloadError as exc:
+            log.warning("ignoring a malformed response on %s: %s", msg.topic, exc)
             return
         if resp.command and resp.command != command:
             log.info("ignoring a response to %r on %s", resp.command, msg.topic)
@@ -279,13 +280,10 @@ def send(
         # the response topic first: the answer must not arrive before we listen
         link.subscribe([(reply_topic, 1), (topics.state, 0)], deadline)
         cmd = pb.Command(args=dict(args or {}), body=body)
-        if opts.v5:
-            props = publish_properties(
-                opts, COMMAND_TYPE, response_topic=reply_topic, correlation=correlation
-            )
-        else:
-            cmd.reply_topic, cmd.correlation, props = reply_topic, correlation, None
-        link.publish(topics.command(command), cmd.SerializeToString(), props, deadline)
+        if not opts.v5:
+            cmd.reply_topic, cmd.correlation = reply_topic, correlation
+        payload, props = outgoing(opts, cmd, response_topic=reply_topic, correlation=correlation)
+        link.publish(topics.command(command), payload, props, deadline)
         log.info("sent %s to %s; waiting for the answer on %s", command, device, reply_topic)
         try:
             link.pump_until(lambda: bool(answers), deadline)
@@ -299,11 +297,11 @@ def send(
     return answers[0]
 
 
-def _keep_state(payload: bytes, states: list[pb.DeviceState]) -> None:
-    if not payload:
+def _keep_state(msg: mqtt.MQTTMessage, states: list[pb.DeviceState]) -> None:
+    if not msg.payload:
         return
-    with contextlib.suppress(DecodeError):  # only a hint for the timeout message
-        states.append(pb.DeviceState.FromString(payload))
+    with contextlib.suppress(PayloadError):  # only a hint for the timeout message
+        states.append(decode_message(pb.DeviceState, msg))
 
 
 def _last_state(states: list[pb.DeviceState], prefix: str) -> str:

@@ -13,8 +13,9 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 from google.protobuf.message import DecodeError
 
+from agent.fleet.codec import PayloadError
 from agent.fleet.digest import Presence
-from agent.fleet.mqtt import MqttOptions, publish_properties
+from agent.fleet.mqtt import MqttOptions, decode_message, outgoing
 from agent.fleet.operator import send, watch
 from agent.fleet.operator_link import FleetError, _client_id, _Link
 from agent.fleet.topics import Topics, parse
@@ -97,21 +98,21 @@ def publish_update(
         if p is None or p.kind != "update" or p.device not in progress or msg.retain:
             return
         if msg.topic in by_block:
-            serve_block(p.device, bytes(msg.payload))
+            serve_block(p.device, msg)
             return
         if p.name != "status":
             return
         try:
-            event = fpb.Event.FromString(bytes(msg.payload))
-        except DecodeError:
+            event = decode_message(fpb.Event, msg)
+        except PayloadError:
             return
         if event.WhichOneof("kind") == "update" and event.update.update_id == manifest.update_id:
             record(p.device, event.update)
 
-    def serve_block(device: str, data: bytes) -> None:
+    def serve_block(device: str, msg: mqtt.MQTTMessage) -> None:
         try:
-            req = opb.BlockRequest.FromString(data)
-        except DecodeError:
+            req = decode_message(opb.BlockRequest, msg)
+        except PayloadError:
             return
         if req.update_id != manifest.update_id or req.offset >= payload.size:
             return
@@ -122,10 +123,8 @@ def publish_update(
         block = opb.Block(
             update_id=req.update_id, offset=req.offset, data=chunk, total=payload.size
         )
-        props = publish_properties(opts, "edge_agent.ota.v1.Block")
-        link.client.publish(
-            Topics(prefix, device).block_data, block.SerializeToString(), qos=1, properties=props
-        )
+        data, props = outgoing(opts, block)
+        link.client.publish(Topics(prefix, device).block_data, data, qos=1, properties=props)
         progress[device].blocks_served += 1
 
     deadline = time.monotonic() + timeout_s

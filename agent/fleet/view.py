@@ -13,8 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Final
 
-from google.protobuf.message import DecodeError
-
+from agent.fleet.codec import ContentType, PayloadError, decode
 from agent.fleet.digest import HealthInfo, Presence, StateInfo, _Malformed, _state, health_info
 from agent.fleet.topics import DEFAULT_PREFIX, parse
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
@@ -53,6 +52,8 @@ class Row:
     issues: tuple[str, ...]
     rank: int  # 0 lost, 1 online with issues, 2 offline, 3 the rest
     late_will: bool = False  # the retained state is a Will older than the health's session
+    group: str = ""  # [fleet] group, from the newer of state and health
+    tags: tuple[str, ...] = ()
 
     @property
     def device_id(self) -> str:
@@ -82,6 +83,7 @@ class FleetView:
         *,
         retained: bool = False,
         message_type: str | None = None,
+        content: ContentType | None = None,
     ) -> bool:
         """Apply one message; True if the view changed. `message_type` is the payload type its
         content-type property names, if it had one. An empty payload (a cleared retained topic)
@@ -106,14 +108,14 @@ class FleetView:
             return new != old
         try:
             if parsed.kind == "state":
-                state = _state(pb.DeviceState.FromString(payload), device_id)
+                state = _state(decode(pb.DeviceState, payload, content), device_id)
                 if state.presence is Presence.LOST and state.session < _known_session(old):
                     self.late_wills += 1
                     log.info("ignoring a late Will of %s (session %d)", device_id, state.session)
                     return False
                 new = dataclasses.replace(old, state=state)
             else:
-                health = health_info(pb.Health.FromString(payload), device_id)
+                health = health_info(decode(pb.Health, payload, content), device_id)
                 if (
                     old.health is not None
                     and health.session == old.health.session
@@ -124,7 +126,9 @@ class FleetView:
                 new = dataclasses.replace(old, health=health)
         except _Malformed as exc:
             return self._malformed(topic, str(exc))
-        except (DecodeError, ValueError, RuntimeError) as exc:
+        except PayloadError as exc:
+            return self._malformed(topic, str(exc))
+        except (ValueError, RuntimeError) as exc:
             return self._malformed(topic, f"not a {expected}: {exc}")
         new = dataclasses.replace(
             new,
@@ -140,14 +144,14 @@ class FleetView:
         log.info("ignoring a malformed message on %s", self.last_malformed)
         return False
 
-    def rows(self, now: float, filter: str | None = None) -> list[Row]:
-        """Every device (matching `filter`), problems first: lost, then online with issues
-        (stale, throttled, errors), then offline, then the rest; then by device id."""
+    def rows(self, now: float, filter: str | None = None, group: str | None = None) -> list[Row]:
+        """Every device (matching `filter`, in `group`), problems first: lost, then online with
+        issues (stale, throttled, errors), then offline, then the rest; then by device id."""
         needle = (filter or "").lower()
         rows = [
             _row(d, now, self.stale_after_s)
             for d in self.devices.values()
-            if not needle or needle in _haystack(d)
+            if (not needle or needle in _haystack(d)) and (group is None or group_of(d) == group)
         ]
         rows.sort(key=lambda r: (r.rank, r.device_id))
         return rows
@@ -166,23 +170,50 @@ def _haystack(d: Device) -> str:
     return " ".join(parts).lower()
 
 
-def _row(d: Device, now: float, stale_after_s: float) -> Row:
+def presence_of(d: Device) -> tuple[Presence, bool]:
+    """The device's presence, and whether its retained state is a late Will (then: online)."""
     st, h = d.state, d.health
     presence = st.presence if st else Presence.UNKNOWN
-    session = _known_session(d)
     late_will = (
         presence is Presence.LOST and h is not None and st is not None and h.session > st.session
     )
-    if late_will:
-        # a late Will overwrote the retained birth of a newer session, which still reports
-        presence = Presence.ONLINE
-    newer_health = h is not None and (st is None or h.timestamp_unix >= st.timestamp_unix)
+    # a late Will overwrote the retained birth of a newer session, which still reports
+    return (Presence.ONLINE if late_will else presence), late_will
+
+
+def last_seen_of(d: Device) -> float:
+    """The newest evidence of the device: a live arrival or a payload's own timestamp."""
+    heard = [d.live_unix]
+    heard += [d.health.timestamp_unix] if d.health is not None else []
+    heard += [d.state.timestamp_unix] if d.state is not None else []
+    return max(heard)
+
+
+def newer_is_health(d: Device) -> bool:
+    """Whether the health is the newer half (by the device's clock) of what we have."""
+    h, st = d.health, d.state
+    return h is not None and (st is None or h.timestamp_unix >= st.timestamp_unix)
+
+
+def group_of(d: Device) -> str:
+    """The group the newer half announces (both carry it: birth, Will, OFFLINE and health)."""
+    half = d.health if newer_is_health(d) else d.state
+    return half.group if half is not None else ""
+
+
+def tags_of(d: Device) -> tuple[str, ...]:
+    half = d.health if newer_is_health(d) else d.state
+    return half.tags if half is not None else ()
+
+
+def _row(d: Device, now: float, stale_after_s: float) -> Row:
+    st, h = d.state, d.health
+    presence, late_will = presence_of(d)
+    session = _known_session(d)
+    newer_health = newer_is_health(d)
     model = (h.model if newer_health and h else "") or (st.model if st else "")
     profile = (h.profile if newer_health and h else "") or (st.profile if st else "")
-    heard = [d.live_unix]
-    heard += [h.timestamp_unix] if h is not None else []
-    heard += [st.timestamp_unix] if st is not None else []
-    last_seen = max(heard)
+    last_seen = last_seen_of(d)
     stale = presence is Presence.ONLINE and now - last_seen > stale_after_s
     issues: list[str] = []
     if stale:
@@ -198,7 +229,18 @@ def _row(d: Device, now: float, stale_after_s: float) -> Row:
     else:
         rank = 3
     return Row(
-        d, presence, session, model, profile, last_seen, stale, tuple(issues), rank, late_will
+        d,
+        presence,
+        session,
+        model,
+        profile,
+        last_seen,
+        stale,
+        tuple(issues),
+        rank,
+        late_will,
+        group_of(d),
+        tags_of(d),
     )
 
 
