@@ -19,6 +19,7 @@ from agent.engine.types import TierStats
 from agent.fleet.health import (
     THROTTLED_FILE,
     HealthReporter,
+    Labels,
     build_health,
     changes,
     parse_throttled,
@@ -161,6 +162,7 @@ def health(
         disk=dsk or disk(),
         last_update=last_update,
         now=now,
+        labels=Labels("kitchen", ("lab", "rack=3"), "aarch64"),
     )
 
 
@@ -307,6 +309,7 @@ def test_build_health_fills_every_field() -> None:
 
     assert {f.name for f, _ in h.ListFields()} == {f.name for f in fpb.Health.DESCRIPTOR.fields}
     assert (h.seq, h.session, h.device_id, h.timestamp_unix) == (42, 7, "pi-kitchen", 1712345678.25)
+    assert (h.group, list(h.tags), h.arch) == ("kitchen", ["lab", "rack=3"], "aarch64")
     assert (h.agent_state, h.agent_version, h.profile, h.uptime_s) == (
         "serving",
         "0.3.0",

@@ -22,7 +22,7 @@ from agent import __version__
 from agent.config import FleetConfig
 from agent.engine.stats import ModelInfo
 from agent.errors import ConfigError, InvalidRequest, Unavailable
-from agent.fleet.health import HealthReporter, build_health, read_disk, read_thermal
+from agent.fleet.health import HealthReporter, Labels, build_health, read_disk, read_thermal
 from agent.fleet.link import FleetLink, Reply, SessionCounter
 from agent.fleet.mqtt import MqttOptions
 from agent.fleet.outbox import Outbox
@@ -86,6 +86,7 @@ class FleetAgent:
         self._sys_root = sys_root
         self._running: set[asyncio.Task[None]] = set()
         self.last_update: fpb.UpdateStatus | None = None
+        self.labels = Labels.of_this_machine(config.group, config.tags)
         fleet_dir = state_dir / "fleet"
         self.outbox = Outbox(fleet_dir / "events", config.max_events)
         self.reporter = HealthReporter(
@@ -93,6 +94,7 @@ class FleetAgent:
             session=0,
             interval_s=config.health_interval_s,
             min_interval_s=min(config.health_min_interval_s, config.health_interval_s),
+            labels=self.labels,
         )
         self.topics = Topics(config.topic_prefix, device_id)
         self.link = FleetLink(
@@ -157,6 +159,7 @@ class FleetAgent:
             disk=read_disk(self._state_dir),
             last_update=self.last_update,
             now=time.time(),
+            labels=self.labels,
         )
 
     def record(self, event: fpb.Event) -> None:
@@ -181,12 +184,16 @@ class FleetAgent:
     # ------------------------------------------------------------------ fleet → daemon
 
     def _device_state(self, kind: fpb.DeviceState.Kind, session: int) -> fpb.DeviceState:
+        """The birth, the Will and the clean OFFLINE: presence, session and who this is."""
         msg = fpb.DeviceState(
             state=kind,
             session=session,
             device_id=self.device_id,
             agent_version=__version__,
             timestamp_unix=time.time(),
+            group=self.labels.group,
+            tags=self.labels.tags,
+            arch=self.labels.arch,
         )
         try:
             st, info = self._backend.status(), self._backend.model_info()

@@ -42,6 +42,10 @@ class StateInfo:
     profile: str
     model: str  # "name version quantization"
     timestamp_unix: float
+    model_sha256: str = ""
+    group: str = ""
+    tags: tuple[str, ...] = ()
+    arch: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +83,14 @@ class HealthInfo:
     update_downloaded_bytes: int
     update_total_bytes: int
     nonfinite_logits: int = 0
+    model_name: str = ""
+    model_version: str = ""
+    model_quantization: str = ""
+    model_sha256: str = ""
+    update_id: str = ""
+    group: str = ""
+    tags: tuple[str, ...] = ()
+    arch: str = ""
 
 
 class _Malformed(ValueError):
@@ -101,6 +113,10 @@ def _state(m: pb.DeviceState, device_id: str) -> StateInfo:
         profile=m.profile,
         model=m.model,
         timestamp_unix=m.timestamp_unix,
+        model_sha256=m.model_sha256,
+        group=m.group,
+        tags=tuple(m.tags),
+        arch=m.arch,
     )
 
 
@@ -157,4 +173,12 @@ def health_info(m: pb.Health, device_id: str | None = None) -> HealthInfo:
         update_reason_code=upd.reason_code,
         update_downloaded_bytes=upd.downloaded_bytes,
         update_total_bytes=upd.total_bytes,
+        model_name=ref.name,
+        model_version=ref.version,
+        model_quantization=ref.quantization,
+        model_sha256=ref.sha256,
+        update_id=upd.update_id,
+        group=m.group,
+        tags=tuple(m.tags),
+        arch=m.arch,
     )

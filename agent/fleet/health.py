@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -108,6 +110,20 @@ def read_disk(path: Path) -> fpb.Disk:
 # ---------------------------------------------------------------------------------- message
 
 
+@dataclass(frozen=True, slots=True)
+class Labels:
+    """What a device says about itself in every birth and health: its `[fleet] group` and
+    `tags`, and its CPU architecture (`platform.machine()`: aarch64, armv7l, x86_64)."""
+
+    group: str = ""
+    tags: tuple[str, ...] = ()
+    arch: str = ""
+
+    @classmethod
+    def of_this_machine(cls, group: str, tags: tuple[str, ...]) -> Labels:
+        return cls(group, tags, platform.machine())
+
+
 def build_health(
     status: AgentStatus,
     info: ModelInfo,
@@ -119,6 +135,7 @@ def build_health(
     disk: fpb.Disk,
     last_update: fpb.UpdateStatus | None,
     now: float,
+    labels: Labels = Labels(),
 ) -> fpb.Health:
     """Domain → wire: the Health message for this moment (`now`: unix time)."""
     e = status.engine
@@ -159,6 +176,9 @@ def build_health(
         ),
         thermal=thermal,
         disk=disk,
+        group=labels.group,
+        tags=labels.tags,
+        arch=labels.arch,
     )
     if status.kv is not None:
         msg.memory.kv.CopyFrom(tiers_message(status.kv))
@@ -235,7 +255,13 @@ class HealthReporter:
     """
 
     def __init__(
-        self, *, device_id: str, session: int, interval_s: float, min_interval_s: float
+        self,
+        *,
+        device_id: str,
+        session: int,
+        interval_s: float,
+        min_interval_s: float,
+        labels: Labels = Labels(),
     ) -> None:
         if not 0 <= min_interval_s <= interval_s or interval_s <= 0:
             raise ValueError(
@@ -244,6 +270,7 @@ class HealthReporter:
             )
         self.device_id = device_id
         self.session = session
+        self.labels = labels
         self.interval_s = interval_s
         self.min_interval_s = min_interval_s
         self.seq = 0  # of the last returned message
@@ -274,6 +301,7 @@ class HealthReporter:
             disk=disk,
             last_update=last_update,
             now=now,
+            labels=self.labels,
         )
         for name in changes(self.last, health):
             if name not in self._pending:

@@ -1,16 +1,18 @@
 """The renderings of `agent.fleet.view.FleetView`: a text table that fits a terminal, and
-JSON. Pure: both take `now`. docs/FLEET.md describes the columns and the order.
+JSON; and the same two of the fleet's inventory (`agent.fleet.inventory`). Pure: all take
+`now`. docs/FLEET.md describes the columns and the order.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Generic, TypeVar
 
 from agent.fleet.digest import HealthInfo, Presence
+from agent.fleet.inventory import InventoryRow
 from agent.fleet.view import FleetView, Row, age
 
 _MIB: Final = 1 << 20
@@ -30,14 +32,18 @@ def _num(x: float) -> str:
     return f"{x:.0f}" if x >= 100 else f"{x:.1f}"
 
 
+R = TypeVar("R")
+
+
 @dataclass(frozen=True, slots=True)
-class _Column:
+class _Column(Generic[R]):
     title: str
     drop: int  # dropped in this order (lowest first) when the terminal is narrow; 99: never
-    cell: Callable[[Row, float], str]
+    cell: Callable[[R, float], str]
     right: bool = False
     max_width: int = 24
     min_width: int = 0  # > 0: may be cut down to this (with "…") instead of dropped
+    hide_empty: bool = False  # left out when no shown row has a value ("-")
 
 
 def _h(f: Callable[[HealthInfo], str]) -> Callable[[Row, float], str]:
@@ -71,9 +77,10 @@ def _update(h: HealthInfo) -> str:
     return text
 
 
-COLUMNS: Final[tuple[_Column, ...]] = (
+COLUMNS: Final[tuple[_Column[Row], ...]] = (
     _Column("DEVICE", 99, lambda r, now: r.device_id, max_width=40, min_width=12),
     _Column("STATE", 99, _state_cell, max_width=18),
+    _Column("GROUP", 3, lambda r, now: r.group or "-", max_width=24, hide_empty=True),
     _Column("SESS", 1, lambda r, now: str(r.session) if r.session else "-", right=True),
     _Column("MODEL", 12, lambda r, now: r.model or "-", max_width=32, min_width=12),
     _Column("PROFILE", 3, lambda r, now: r.profile or "-", max_width=24),
@@ -95,12 +102,14 @@ COLUMNS: Final[tuple[_Column, ...]] = (
 _GAP: Final = 2
 
 
-def summary(view: FleetView, now: float, filter: str | None = None) -> str:
+def summary(
+    view: FleetView, now: float, filter: str | None = None, group: str | None = None
+) -> str:
     """The header line: counts by state, stale, with issues, and what was ignored."""
-    return _summary(view, view.rows(now, filter), filter)
+    return _summary(view, view.rows(now, filter, group), filter, group)
 
 
-def _summary(view: FleetView, rows: list[Row], filter: str | None) -> str:
+def _summary(view: FleetView, rows: list[Row], filter: str | None, group: str | None) -> str:
     counts = {p: 0 for p in Presence}
     for r in rows:
         counts[r.presence] += 1
@@ -110,8 +119,12 @@ def _summary(view: FleetView, rows: list[Row], filter: str | None) -> str:
     stale = sum(r.stale for r in rows)
     issues = sum(r.rank == 1 for r in rows)
     text += f" · {stale} stale · {issues} with issues"
-    if filter:
-        text = f"filter {filter!r}: {text} (of {len(view.devices)})"
+    if filter or group is not None:
+        which = " ".join(
+            ([f"group {group!r}"] if group is not None else [])
+            + ([f"filter {filter!r}"] if filter else [])
+        )
+        text = f"{which}: {text} (of {len(view.devices)})"
     ignored = []
     if view.malformed:
         ignored.append(f"{view.malformed} malformed")
@@ -129,13 +142,15 @@ def render(
     width: int,
     max_rows: int | None = None,
     filter: str | None = None,
+    group: str | None = None,
 ) -> str:
     """The table: a summary line, column titles, then one line per device, problems first.
 
     `max_rows` bounds the device lines, including the "… N more" line that replaces the rest.
     Columns that do not fit `width` are dropped (least useful first), then long cells are cut.
+    Only the shown rows are formatted.
     """
-    rows = view.rows(now, filter)
+    rows = view.rows(now, filter, group)
     shown: Sequence[Row] = rows
     more = ""
     if max_rows is not None and len(rows) > max_rows:
@@ -143,16 +158,22 @@ def render(
         shown, rest = rows[:keep], rows[keep:]
         problems = sum(r.rank < 2 for r in rest)
         more = f"… {len(rest)} more" + (f" ({problems} with problems)" if problems else "")
-    cells = [[c.cell(r, now) for c in COLUMNS] for r in shown]
-    cols, widths = _layout(cells, width)
-    lines = [_cut_summary(_summary(view, rows, filter), width)]
-    lines.append(_line([COLUMNS[i].title for i in cols], cols, widths, width, title=True))
-    lines += [_line([row[i] for i in cols], cols, widths, width) for row in cells]
+    lines = [_cut_summary(_summary(view, rows, filter, group), width)]
+    lines += _table(COLUMNS, shown, now, width)
     if more:
         lines.append(more[:width])
     if not rows:
-        lines.append("(no devices)" if not filter else "(no device matches the filter)")
+        lines.append("(no devices)" if not (filter or group is not None) else "(no device matches)")
     return "\n".join(lines)
+
+
+def _table(columns: Sequence[_Column[R]], shown: Sequence[R], now: float, width: int) -> list[str]:
+    """The column titles and one line per shown row, fitted to `width`."""
+    cells = [[c.cell(r, now) for c in columns] for r in shown]
+    cols, widths = _layout(columns, cells, width)
+    lines = [_line(columns, [columns[i].title for i in cols], cols, widths, width, title=True)]
+    lines += [_line(columns, [row[i] for i in cols], cols, widths, width) for row in cells]
+    return lines
 
 
 def _cut_summary(text: str, width: int) -> str:
@@ -163,22 +184,28 @@ def _cut_summary(text: str, width: int) -> str:
     return text[:cut] if cut > 0 else text[:width]
 
 
-def _layout(cells: list[list[str]], width: int) -> tuple[list[int], list[int]]:
+def _layout(
+    columns: Sequence[_Column[R]], cells: list[list[str]], width: int
+) -> tuple[list[int], list[int]]:
     """Which columns to show and how wide: drop the least useful until the natural widths fit,
     then cut the flexible ones (widest first) down to their minimum."""
     natural = [
         min(c.max_width, max([len(c.title), *(len(row[i]) for row in cells)]))
-        for i, c in enumerate(COLUMNS)
+        for i, c in enumerate(columns)
     ]
-    cols = list(range(len(COLUMNS)))
+    cols = [
+        i
+        for i, c in enumerate(columns)
+        if not c.hide_empty or any(row[i] not in ("", "-") for row in cells)
+    ]
 
     def total() -> int:
         return sum(natural[i] for i in cols) + _GAP * (len(cols) - 1)
 
-    for i in sorted((i for i in cols if COLUMNS[i].drop < 99), key=lambda i: COLUMNS[i].drop):
+    for i in sorted((i for i in cols if columns[i].drop < 99), key=lambda i: columns[i].drop):
         if total() <= width:
             break
-        if COLUMNS[i].min_width and total() - natural[i] + COLUMNS[i].min_width <= width:
+        if columns[i].min_width and total() - natural[i] + columns[i].min_width <= width:
             break  # cutting this one is enough; keep it
         cols.remove(i)
     widths = [natural[i] for i in cols]
@@ -186,7 +213,7 @@ def _layout(cells: list[list[str]], width: int) -> tuple[list[int], list[int]]:
     for k in sorted(range(len(cols)), key=lambda k: -widths[k]):
         if over <= 0:
             break
-        floor = COLUMNS[cols[k]].min_width
+        floor = columns[cols[k]].min_width
         if floor and widths[k] > floor:
             cut = min(over, widths[k] - floor)
             widths[k] -= cut
@@ -195,12 +222,17 @@ def _layout(cells: list[list[str]], width: int) -> tuple[list[int], list[int]]:
 
 
 def _line(
-    values: list[str], cols: list[int], widths: list[int], width: int, title: bool = False
+    columns: Sequence[_Column[R]],
+    values: list[str],
+    cols: list[int],
+    widths: list[int],
+    width: int,
+    title: bool = False,
 ) -> str:
     out = []
     for k, (value, w) in enumerate(zip(values, widths, strict=True)):
         text = value if len(value) <= w else value[: max(0, w - 1)] + "…"
-        right = COLUMNS[cols[k]].right and not title
+        right = columns[cols[k]].right and not title
         last = k == len(cols) - 1
         out.append(text.rjust(w) if right else (text if last else text.ljust(w)))
     return (" " * _GAP).join(out).rstrip()[:width]
@@ -209,10 +241,12 @@ def _line(
 # ----------------------------------------------------------------------------- JSON
 
 
-def to_json(view: FleetView, now: float, filter: str | None = None) -> list[dict[str, object]]:
+def to_json(
+    view: FleetView, now: float, filter: str | None = None, group: str | None = None
+) -> list[dict[str, object]]:
     """One dict per device, sorted by device id (the table's fields, unabbreviated)."""
     out: list[dict[str, object]] = []
-    for r in sorted(view.rows(now, filter), key=lambda r: r.device_id):
+    for r in sorted(view.rows(now, filter, group), key=lambda r: r.device_id):
         d = r.device
         out.append(
             {
@@ -221,6 +255,8 @@ def to_json(view: FleetView, now: float, filter: str | None = None) -> list[dict
                 "session": r.session,
                 "model": r.model,
                 "profile": r.profile,
+                "group": r.group,
+                "tags": list(r.tags),
                 "agent_version": (d.health.agent_version if d.health else "")
                 or (d.state.agent_version if d.state else ""),
                 "stale": r.stale,
@@ -232,3 +268,73 @@ def to_json(view: FleetView, now: float, filter: str | None = None) -> list[dict
             }
         )
     return out
+
+
+# ----------------------------------------------------------------------------- inventory
+
+
+def _update_cell(r: InventoryRow, now: float) -> str:
+    return f"{r.update_phase.lower()} {r.update_to_version}".strip() if r.update_phase else "-"
+
+
+def _presence_cell(r: InventoryRow, now: float) -> str:
+    return "?" if r.presence is Presence.UNKNOWN else str(r.presence)
+
+
+INVENTORY_COLUMNS: Final[tuple[_Column[InventoryRow], ...]] = (
+    _Column("DEVICE", 99, lambda r, now: r.device_id, max_width=40, min_width=12),
+    _Column("GROUP", 6, lambda r, now: r.group or "-", hide_empty=True),
+    _Column("TAGS", 1, lambda r, now: ",".join(r.tags) or "-", max_width=32, hide_empty=True),
+    _Column("MODEL", 99, lambda r, now: r.model or "-", max_width=32, min_width=8),
+    _Column("VERSION", 99, lambda r, now: r.version or "-", max_width=16),
+    _Column("SHA256", 8, lambda r, now: r.sha256[:SHORT_SHA] or "-"),
+    _Column("QUANT", 7, lambda r, now: r.quantization or "-"),
+    _Column("PROFILE", 4, lambda r, now: r.profile or "-"),
+    _Column("ARCH", 5, lambda r, now: r.arch or "-"),
+    _Column("AGENT", 3, lambda r, now: r.agent_version or "-"),
+    _Column("STATE", 99, _presence_cell),
+    _Column("UPDATE", 2, _update_cell),
+    _Column("SEEN", 9, lambda r, now: age(now - r.last_seen_unix), right=True),
+)
+SHORT_SHA: Final = 12
+
+
+def inventory_table(rows: Mapping[str, InventoryRow], now: float, width: int) -> str:
+    """One line per device, sorted by device id, after a count; columns fit `width`."""
+    shown = [rows[k] for k in sorted(rows)]
+    counts = {p: sum(r.presence is p for r in shown) for p in Presence}
+    head = f"{len(shown)} device{'s' if len(shown) != 1 else ''}: " + ", ".join(
+        f"{counts[p]} {p}" for p in Presence if counts[p] or p is not Presence.UNKNOWN
+    )
+    models = len({(r.model, r.version, r.sha256) for r in shown if r.sha256})
+    head += f" · {models} model build{'s' if models != 1 else ''}"
+    lines = [_cut_summary(head, width), *_table(INVENTORY_COLUMNS, shown, now, width)]
+    if not shown:
+        lines.append("(no devices)")
+    return "\n".join(lines)
+
+
+def inventory_json(rows: Mapping[str, InventoryRow], now: float) -> list[dict[str, object]]:
+    """One object per device, sorted by device id, with the keys docs/FLEET.md lists."""
+    return [
+        {
+            "device": r.device_id,
+            "group": r.group,
+            "tags": list(r.tags),
+            "state": str(r.presence),
+            "session": r.session,
+            "model": r.model,
+            "version": r.version,
+            "sha256": r.sha256,
+            "quantization": r.quantization,
+            "profile": r.profile,
+            "arch": r.arch,
+            "agent_version": r.agent_version,
+            "last_seen_unix": r.last_seen_unix,
+            "last_seen_age_s": round(max(0.0, now - r.last_seen_unix), 1),
+            "update_phase": r.update_phase,
+            "update_id": r.update_id,
+            "update_to_version": r.update_to_version,
+        }
+        for r in (rows[k] for k in sorted(rows))
+    ]
