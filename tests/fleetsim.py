@@ -1,0 +1,789 @@
+"""A fleet simulator for tests and benchmarks: many device agents in one process.
+
+Every simulated device runs the agent's real fleet side and real update machine:
+
+* `FleetAgent` → `FleetLink` (its own MQTT connection, client id ``edge-agent-<device>``, a
+  persistent session, birth / Last Will / offline, health from the real `HealthReporter`, events
+  through the on-disk `Outbox`, commands answered as the daemon answers them);
+* `Updater` with a real `Store` in the device's own state directory, manifests checked against
+  real trusted keys (Ed25519), the payload fetched in blocks over MQTT (or over HTTP when the
+  manifest has a URL), patched with the real delta code, every file hashed.
+
+Only the engine is a stub (`SimEngine`, the `FleetBackend` and `UpdateHost` the daemon would
+provide): activating a model checks its file's sha256 and pretends to load it; the trial's
+health check passes unless the device's behaviour says otherwise. The daemon's engine is not
+used: a thousand copies would not fit.
+
+    models = SimModels.create(tmp / "models")                # tiny model dirs, a signing key
+    devices = [SimDevice(f"sim-{i:04d}", group="canary" if i < 10 else "") for i in range(100)]
+    with FleetSim(broker.url, tmp / "fleet", devices, trusted_keys_dir=models.trusted,
+                  shipped=models.shipped) as sim:
+        bundle = models.bundle(tmp / "u1.tar", version=1)
+        ... offer it (edge-agent fleet rollout / publish-update) ...
+        assert sim.phase("sim-0001") == "committed" and sim.offers("sim-0001") == 1
+
+Behaviours (failure injection, per device):
+
+* ``ok``: takes the update: received → downloading → verified → staged → activating → trial →
+  committed.
+* ``reject``: refuses it at the offer: the device trusts another key (code `unknown_key`).
+* ``rollback``: its trial's health check fails (the engine "stops answering", as in a crash
+  loop): rolled back to the model it served before.
+* ``stall``: the download never progresses: its block requests go unanswered (MQTT), or the
+  transfer hangs (a payload URL), until the updater gives up (`max_download_attempts`, code
+  `payload`) or the update is cancelled.
+* ``offline``: goes away when offered: the connection drops without a DISCONNECT, the broker
+  publishes its Last Will (``LOST``), the command is never answered.
+* ``fail``: the payload arrives corrupted (a byte flipped in every block over MQTT; with a
+  payload URL, a damaged partial file): rejected after the download with `payload_hash`.
+
+The real updater never reports the phase ``FAILED`` (the operator tools use it for a device they
+could not reach); ``fail`` is a failure after the offer, ``reject`` one at the offer.
+
+Threads: one per device (the fleet link's network thread, which drives paho's loop), one event
+loop thread for every device's updater and commands, a small pool for downloads and patching,
+and one observer client that follows the devices' retained state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import os
+import platform
+import resource
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import paho.mqtt.client as mqtt
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from google.protobuf.message import DecodeError
+
+from agent import __version__
+from agent.config import FleetConfig, UpdatesConfig, parse_broker
+from agent.engine.stats import EngineStats, ModelInfo, Percentiles
+from agent.errors import AgentError
+from agent.fleet.agent import FleetAgent
+from agent.fleet.link import FleetLink
+from agent.fleet.mqtt import MqttOptions, new_client
+from agent.modeldir import load_model_dir, write_model_dir_metadata
+from agent.ota import keys
+from agent.ota.bundle import make_bundle
+from agent.ota.fetch import BlockSource
+from agent.ota.manifest import InstallContext
+from agent.ota.store import ModelRef, Store
+from agent.ota.updater import Updater
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
+from agent.runtime.plan import MemoryPlan
+from agent.status import AgentStatus
+
+log = logging.getLogger(__name__)
+
+BEHAVIOURS: Final = ("ok", "reject", "rollback", "stall", "offline", "fail")
+PREFIX: Final = "fleet/v1"
+PROFILE: Final = "sim"
+MIB: Final = 1 << 20
+Kind = fpb.DeviceState
+
+
+@dataclass(frozen=True)
+class SimDevice:
+    """One simulated device. `start_online=False`: it has never connected when the simulator
+    starts (no retained state, no broker session) until `FleetSim.come_online`."""
+
+    device_id: str
+    group: str = ""
+    tags: tuple[str, ...] = ()
+    behaviour: str = "ok"  # one of BEHAVIOURS
+    start_online: bool = True
+
+    def __post_init__(self) -> None:
+        if self.behaviour not in BEHAVIOURS:
+            raise ValueError(f"behaviour {self.behaviour!r}: one of {', '.join(BEHAVIOURS)}")
+
+
+# ----------------------------------------------------------------------------- models and keys
+
+
+def make_model_dir(
+    directory: Path,
+    *,
+    name: str = "sim-model",
+    version: str = "1.0.0",
+    size: int = 4096,
+    seed: int = 0,
+) -> Path:
+    """A tiny model directory (metadata.json, tokenizer.model, one int8 "variant" of `size`
+    bytes of deterministic noise, real sha256s): what the store and the delta code work on.
+    `seed` decides the variant's bytes; versions that share most bytes make a small delta."""
+    directory.mkdir(parents=True, exist_ok=True)
+    import random
+
+    rng = random.Random(0)
+    data = bytearray(rng.randbytes(size))
+    if seed:  # a "fine-tune": a few hundred bytes changed, the rest as in version 0
+        tweak = random.Random(seed)
+        for _ in range(max(1, size // 16)):
+            data[tweak.randrange(size)] = tweak.randrange(256)
+    (directory / "model_int8.tflite").write_bytes(bytes(data))
+    (directory / "tokenizer.model").write_bytes(b"sim tokenizer\n")
+    write_model_dir_metadata(
+        directory,
+        name=name,
+        version=version,
+        context_length=1024,
+        bos_id=1,
+        eos_id=2,
+        stop_token_ids=[2],
+        chat_template="",
+        variants=[("model_int8.tflite", "int8")],
+    )
+    return directory
+
+
+def model_ref(directory: Path, version: int = 0) -> ModelRef:
+    """The int8 variant of a model directory as the store names it (`version` 0: as shipped)."""
+    meta = load_model_dir(directory)
+    variant = meta.variant("int8")
+    return ModelRef(str(directory), "int8", variant.sha256, version, meta.version)
+
+
+@dataclass(frozen=True)
+class SimModels:
+    """The shipped model every device starts on, the operator's signing key and a trusted keys
+    directory holding its public key (what `FleetSim(trusted_keys_dir=...)` takes)."""
+
+    root: Path
+    shipped: Path  # version 0, label 1.0.0
+    key: Ed25519PrivateKey
+    trusted: Path
+
+    @classmethod
+    def create(cls, root: Path, *, size: int = 4096) -> SimModels:
+        root.mkdir(parents=True, exist_ok=True)
+        key = Ed25519PrivateKey.generate()
+        trusted = root / "trusted"
+        trusted.mkdir(exist_ok=True)
+        (trusted / "release.pub").write_text(keys.public_line(key.public_key(), "release"))
+        shipped = make_model_dir(root / "v0", size=size)
+        return cls(root, shipped, key, trusted)
+
+    def model(self, version: int) -> Path:
+        """The model directory of update `version` (label ``1.<version>.0``), made once."""
+        if version == 0:
+            return self.shipped
+        d = self.root / f"v{version}"
+        if not (d / "metadata.json").exists():
+            size = (self.shipped / "model_int8.tflite").stat().st_size
+            make_model_dir(d, version=f"1.{version}.0", size=size, seed=version)
+        return d
+
+    def bundle(
+        self,
+        out: Path,
+        *,
+        version: int,
+        base: int = 0,
+        payload_url: str = "",
+        update_id: str | None = None,
+        expires_in_s: float = 7 * 86400.0,
+    ) -> Path:
+        """A signed delta bundle from model `base` to model `version` (the project's own
+        `make_bundle`: real delta, real Ed25519 signature); its path."""
+        make_bundle(
+            self.model(base),
+            self.model(version),
+            [self.key],
+            out,
+            version=version,
+            update_id=update_id,
+            payload_url=payload_url,
+            expires_in_s=expires_in_s,
+        )
+        return out
+
+
+def untrusted_keys_dir(directory: Path) -> Path:
+    """A trusted keys directory holding only a stranger's key: the `reject` devices' view."""
+    directory.mkdir(parents=True, exist_ok=True)
+    stranger = Ed25519PrivateKey.generate()
+    (directory / "other.pub").write_text(keys.public_line(stranger.public_key(), "other"))
+    return directory
+
+
+def raise_nofile(need: int) -> int:
+    """Raise this process's RLIMIT_NOFILE soft limit to at least `need` (up to the hard
+    limit); the limit in force. Children (mosquitto) inherit it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        return want
+    return soft
+
+
+@contextlib.contextmanager
+def scratch_root(fallback: Path) -> Iterator[Path]:
+    """A directory for many device state directories: on tmpfs (/dev/shm) when there is one,
+    as fsync there costs nothing (a thousand updaters fsync every record on one event loop),
+    else `fallback`. Removed afterwards when it was made here."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        import tempfile
+
+        d = Path(tempfile.mkdtemp(prefix="fleetsim-", dir=shm))
+        try:
+            yield d
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+    else:
+        fallback.mkdir(parents=True, exist_ok=True)
+        yield fallback
+
+
+# ----------------------------------------------------------------------------- the stub engine
+
+
+class _StallBlocks:
+    """Block requests that are never answered (each waits a little, then times out)."""
+
+    def __init__(self, stop: threading.Event, wait_s: float = 1.0) -> None:
+        self._stop = stop
+        self._wait_s = wait_s
+
+    def fetch_block(self, request: opb.BlockRequest, timeout_s: float) -> opb.Block | None:
+        self._stop.wait(min(timeout_s, self._wait_s))
+        return None
+
+
+class _CorruptBlocks:
+    """The link's blocks with one byte flipped: the payload's sha256 will not match."""
+
+    def __init__(self, link: FleetLink) -> None:
+        self._link = link
+
+    def fetch_block(self, request: opb.BlockRequest, timeout_s: float) -> opb.Block | None:
+        block = self._link.fetch_block(request, timeout_s)
+        if block is not None and block.data:
+            data = bytearray(block.data)
+            data[0] ^= 0xFF
+            block.data = bytes(data)
+        return block
+
+
+@dataclass
+class _Runtime:
+    """What the simulator knows of one device (mutated on the event loop thread only)."""
+
+    spec: SimDevice
+    state_dir: Path
+    offers: int = 0
+    last_phase: str = ""
+    last_status: fpb.UpdateStatus | None = None
+    online: bool = False
+    agent: FleetAgent | None = None
+    updater: Updater | None = None
+    engine: SimEngine | None = None
+    hung: list[asyncio.Future[None]] = dataclasses.field(default_factory=list)
+
+
+class SimEngine:
+    """The stub daemon of one device: `FleetBackend` (status, model info, reload, offers) and
+    `UpdateHost` (install context, activate, trial checks, reports)."""
+
+    def __init__(self, sim: FleetSim, rt: _Runtime, updater: Updater, serving: ModelRef) -> None:
+        self._sim = sim
+        self._rt = rt
+        self._updater = updater
+        self.serving = serving
+        self._name = load_model_dir(Path(serving.model_dir)).name
+        self.fleet: FleetAgent | None = None
+        self._started = time.monotonic()
+        self.state = "serving"
+
+    # ------------------------------------------------------------------ FleetBackend
+
+    def model_info(self) -> ModelInfo:
+        ref = self.serving
+        return ModelInfo(
+            name=self._name,
+            version=ref.label or str(ref.version),
+            quantization=ref.quantization,
+            sha256=ref.sha256,
+            path=Path(ref.model_dir),
+            vocab_size=4096,
+            context_length=1024,
+            kv_layout="split",
+            signatures=("prefill_32", "decode"),
+            accelerator="cpu",
+            execution_path="sim",
+            fallbacks=(),
+            memory=MemoryPlan(
+                weights=4 * MIB,
+                packed_weights=0,
+                activations=MIB,
+                kv_per_session=MIB,
+                sessions=2,
+                budget=512 * MIB,
+            ),
+        )
+
+    def status(self) -> AgentStatus:
+        info = self.model_info()
+        zero = Percentiles(0.0, 0.0)
+        return AgentStatus(
+            profile=PROFILE,
+            version=__version__,
+            state=self.state,
+            uptime_s=time.monotonic() - self._started,
+            rss_bytes=64 * MIB,
+            budget_bytes=info.memory.budget,
+            planned_bytes=info.memory.total,
+            model=f"{info.name} {info.version} {info.quantization}",
+            active_sessions=0,
+            engine=EngineStats(
+                queue_depth=0,
+                queue_capacity=16,
+                active=0,
+                max_active=4,
+                requests_total=0,
+                requests_failed=0,
+                requests_rejected=0,
+                requests_cancelled=0,
+                tokens_generated=0,
+                ttft_ms=zero,
+                decode_tok_s=zero,
+                heartbeat_age_s=0.0,
+            ),
+            info=info,
+            fleet_link="connected" if self.fleet and self.fleet.link.connected else "disconnected",
+        )
+
+    async def reload(self) -> fpb.ReloadDone:
+        info = self.model_info()
+        return fpb.ReloadDone(
+            ok=True,
+            message="model and profile unchanged",
+            model=f"{info.name} {info.version} {info.quantization}",
+        )
+
+    async def offer_update(self, signed: bytes) -> fpb.UpdateStatus:
+        self._rt.offers += 1
+        if self._rt.spec.behaviour == "offline":
+            log.info("fleetsim: %s goes away on the offer", self._rt.spec.device_id)
+            hang: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._rt.hung.append(hang)
+            self._sim._power_cut_soon(self._rt)
+            await hang  # never answered: the device is gone
+        return await self._updater.offer(signed)
+
+    async def cancel_update(self, signed: bytes) -> fpb.UpdateStatus:
+        return await self._updater.cancel(signed)
+
+    # ------------------------------------------------------------------ UpdateHost
+
+    def install_context(self, installed: ModelRef) -> InstallContext:
+        return InstallContext(
+            model_name=self._name,
+            installed_version=installed.version,
+            installed_sha256=installed.sha256,
+            profile=PROFILE,
+            arch=platform.machine(),
+            agent_version=__version__,
+            finished_update_ids=frozenset(self._updater.installed().finished),
+            max_payload_bytes=self._updater.config.max_payload_bytes,
+        )
+
+    async def activate(self, ref: ModelRef, canary: opb.Canary | None) -> None:
+        problem = ref.verify()  # the model's file is there with its sha256
+        if problem is not None:
+            raise AgentError(problem)
+        if self._sim.activate_s:
+            await asyncio.sleep(self._sim.activate_s)  # "loading"
+        self.serving = ref
+        self._name = load_model_dir(Path(ref.model_dir)).name
+
+    async def check_serving(self, canary: opb.Canary | None) -> str | None:
+        if self._rt.spec.behaviour == "rollback" and self.serving != self._updater.shipped:
+            return "the engine thread has not answered for 12.0 s (simulated crash loop)"
+        return None
+
+    def report(self, status: fpb.UpdateStatus, key: str = "") -> None:
+        self._rt.last_status = status
+        self._rt.last_phase = fpb.UpdateStatus.Phase.Name(status.phase).lower()
+        if self.fleet is not None:
+            self.fleet.report_update(status, key)
+
+    def remove_unused_caches(self) -> None:
+        pass
+
+
+class _SimUpdater(Updater):
+    """The real updater; for the `stall` and `fail` behaviours with a payload URL (the MQTT
+    transport is faulted in the block source instead) the download step misbehaves."""
+
+    behaviour = "ok"
+
+    async def _download(self, rec: opb.UpdateRecord, m: opb.Manifest) -> None:
+        if m.payload_url and self.behaviour == "stall":
+            while True:  # a transfer that hangs; a cancel ends it (rejected, `cancelled`)
+                self.interrupt.check()
+                await self.interrupt.pause(3600.0)
+        if m.payload_url and self.behaviour == "fail":
+            part = self.store.payload_path(m.update_id)  # a damaged partial file, whole size
+            part.parent.mkdir(parents=True, exist_ok=True)
+            part.write_bytes(bytes(m.payload_size))
+        await super()._download(rec, m)
+
+
+# ----------------------------------------------------------------------------- presence
+
+
+class _Observer:
+    """Follows every device's retained state (one client, QoS 1)."""
+
+    def __init__(self, opts: MqttOptions, prefix: str) -> None:
+        self._prefix = prefix
+        self._cv = threading.Condition()
+        self.states: dict[str, tuple[int, int]] = {}  # device -> (kind, session)
+        self._client = new_client(
+            f"fleetsim-observer-{os.getpid()}-{id(self)}", opts, persistent=False
+        )
+        self._client.on_message = self._on_message
+        self._client.on_connect = self._on_connect
+        self._subscribed = threading.Event()
+        b = opts.broker
+        self._client.connect(b.host, b.port, 60)
+        self._client.loop_start()
+        if not self._subscribed.wait(10):
+            raise AgentError(f"fleetsim: cannot subscribe at {b.url()}")
+
+    def _on_connect(self, client: mqtt.Client, _u: Any, _f: Any, rc: Any, _p: Any) -> None:
+        client.subscribe(f"{self._prefix}/+/state", qos=1)
+        client.on_subscribe = lambda *_a: self._subscribed.set()
+
+    def _on_message(self, _c: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
+        try:
+            state = fpb.DeviceState.FromString(bytes(msg.payload))
+        except DecodeError:
+            return
+        device = msg.topic.split("/")[-2]
+        with self._cv:
+            self.states[device] = (state.state, state.session)
+            self._cv.notify_all()
+
+    def wait(self, pred: Callable[[], bool], timeout_s: float) -> bool:
+        with self._cv:
+            return self._cv.wait_for(pred, timeout_s)
+
+    def close(self) -> None:
+        self._client.disconnect()
+        self._client.loop_stop()
+
+
+# ----------------------------------------------------------------------------- the simulator
+
+
+class FleetSim:
+    """`devices` as real fleet agents and updaters in this process (module docstring)."""
+
+    def __init__(
+        self,
+        broker_url: str,
+        root: Path,
+        devices: Sequence[SimDevice],
+        *,
+        trusted_keys_dir: Path,
+        shipped: Path | ModelRef,
+        health_interval_s: float = 5.0,
+        protocol: str = "5",
+        prefix: str = PREFIX,
+        trial_s: float = 1.0,
+        retry_s: float = 5.0,
+        max_download_attempts: int = 20,
+        activate_s: float = 0.0,
+        tick_s: float = 1.0,
+        batch: int = 50,
+        workers: int = 16,
+    ) -> None:
+        ids = [d.device_id for d in devices]
+        if len(set(ids)) != len(ids):
+            raise ValueError("fleetsim: device ids must be unique")
+        self.root = root
+        self.prefix = prefix
+        self.activate_s = activate_s
+        self.tick_s = tick_s
+        self.batch = batch
+        self.shipped = shipped if isinstance(shipped, ModelRef) else model_ref(shipped)
+        self.fleet = FleetConfig(
+            broker=parse_broker("fleetsim", "broker", broker_url),
+            protocol=protocol,
+            topic_prefix=prefix,
+            keepalive_s=60,
+            health_interval_s=health_interval_s,
+            health_min_interval_s=min(1.0, health_interval_s),
+        )
+        self.updates = UpdatesConfig(
+            trusted_keys_dir=trusted_keys_dir,
+            trial_s=trial_s,
+            progress_interval_s=5.0,
+            retry_s=retry_s,
+            max_download_attempts=max_download_attempts,
+        )
+        self.nofile = raise_nofile(4 * len(devices) + 256)  # socket + paho's socketpair each
+        root.mkdir(parents=True, exist_ok=True)
+        self._untrusted = untrusted_keys_dir(root / "untrusted-keys")
+        self._sys_root = root / "sys"  # no thermal zones: nothing to read per tick
+        self._sys_root.mkdir(exist_ok=True)
+        self._devices = {d.device_id: _Runtime(d, root / "devices" / d.device_id) for d in devices}
+        self._stopping = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, "fleetsim-io")
+        self._loop.set_default_executor(self._pool)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fleetsim-loop")
+        self._ticker: concurrent.futures.Future[None] | None = None
+        self._observer: _Observer | None = None
+        self.started_s = 0.0  # how long start() took
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, timeout_s: float = 60) -> None:
+        """Start every device with `start_online`, in batches of `batch`; return when each
+        one's birth (ONLINE, its current session) is on the broker."""
+        t0 = time.monotonic()
+        self._thread.start()
+        self._observer = _Observer(MqttOptions.from_config(self.fleet), self.prefix)
+        self._ticker = asyncio.run_coroutine_threadsafe(self._tick_forever(), self._loop)
+        deadline = time.monotonic() + timeout_s
+        todo = [rt for rt in self._devices.values() if rt.spec.start_online]
+        for i in range(0, len(todo), self.batch):
+            part = todo[i : i + self.batch]
+            for rt in part:
+                self._call(self._boot(rt), deadline)
+            self._wait_born(part, deadline)
+        self.started_s = time.monotonic() - t0
+        log.info("fleetsim: %d devices online in %.1f s", len(todo), self.started_s)
+
+    def stop(self) -> None:
+        """Stop every online device cleanly (its last health, OFFLINE, a clean disconnect),
+        then the event loop and the observer."""
+        self._stopping.set()
+        online = [rt for rt in self._devices.values() if rt.online]
+        list(self._pool.map(self._clean_stop, online))
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._cancel_all(), self._loop).result(30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+        if not self._loop.is_running():
+            self._loop.close()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._observer is not None:
+            self._observer.close()
+            self._observer = None
+
+    def __enter__(self) -> FleetSim:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ control and queries
+
+    def device_ids(self) -> list[str]:
+        return list(self._devices)
+
+    def go_offline(self, device_id: str, timeout_s: float = 30) -> None:
+        """The device loses power: its connection drops without a DISCONNECT (the broker
+        publishes its Last Will, `LOST`), its updater stops where it is. Returns once the
+        Will is on the broker."""
+        rt = self._devices[device_id]
+        session = self._power_cut(rt)
+        self._wait_state(rt, Kind.LOST, session, time.monotonic() + timeout_s)
+
+    def come_online(self, device_id: str, timeout_s: float = 30) -> None:
+        """The device starts again (as after a power cut): its updater boots from its record
+        and resumes, its link reconnects with the next session number. Returns once its birth
+        is on the broker."""
+        rt = self._devices[device_id]
+        if rt.online:
+            return
+        deadline = time.monotonic() + timeout_s
+        self._call(self._boot(rt), deadline)
+        self._wait_born([rt], deadline)
+
+    def offers(self, device_id: str) -> int:
+        """How many `update` commands this device has received (across restarts)."""
+        return self._devices[device_id].offers
+
+    def phase(self, device_id: str) -> str:
+        """The last update phase the device's updater reported (lowercase: ``received``,
+        ``downloading``, …, ``committed``, ``rolled_back``, ``rejected``), or ""."""
+        return self._devices[device_id].last_phase
+
+    def last_status(self, device_id: str) -> fpb.UpdateStatus | None:
+        """The last update status the device's updater reported (reason code included)."""
+        return self._devices[device_id].last_status
+
+    def version(self, device_id: str) -> str:
+        """The version label of the model the device serves (from its store's pointer on disk,
+        so also while it is offline): ``1.0.0`` as shipped, ``1.N.0`` after update N."""
+        rt = self._devices[device_id]
+        inst = Store(rt.state_dir).installed()
+        ref = inst.current if inst is not None else self.shipped
+        return ref.label or str(ref.version)
+
+    def online(self, device_id: str) -> bool:
+        return self._devices[device_id].online
+
+    def threads(self) -> int:
+        return threading.active_count()
+
+    # ------------------------------------------------------------------ the event loop
+
+    def _call(self, coro: Any, deadline: float) -> Any:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return fut.result(max(0.1, deadline - time.monotonic()))
+
+    async def _boot(self, rt: _Runtime) -> None:
+        """What the daemon's start does for the fleet and updates, with the stub engine:
+        updater boot → fleet link → attach → resume."""
+        spec = rt.spec
+        rt.state_dir.mkdir(parents=True, exist_ok=True)
+        updates = self.updates
+        if spec.behaviour == "reject":
+            updates = dataclasses.replace(updates, trusted_keys_dir=self._untrusted)
+        updater = _SimUpdater(Store(rt.state_dir), updates, self.shipped)
+        updater.behaviour = spec.behaviour
+        serving = updater.boot()
+        engine = SimEngine(self, rt, updater, serving)
+        fleet = dataclasses.replace(
+            self.fleet, device_id=spec.device_id, group=spec.group, tags=spec.tags
+        )
+        agent = FleetAgent(
+            fleet, spec.device_id, rt.state_dir, engine, self._loop, sys_root=self._sys_root
+        )
+        engine.fleet = agent
+        rt.agent, rt.updater, rt.engine = agent, updater, engine
+        agent.start()
+        rt.online = True
+        updater.blocks = self._blocks(spec.behaviour, agent.link)
+        updater.attach(engine)
+        await updater.resume()
+
+    def _blocks(self, behaviour: str, link: FleetLink) -> BlockSource:
+        if behaviour == "stall":
+            return _StallBlocks(self._stopping)
+        if behaviour == "fail":
+            return _CorruptBlocks(link)
+        return link
+
+    async def _tick_forever(self) -> None:
+        """The daemon's tick, for every online device: health when due."""
+        while True:
+            await asyncio.sleep(self.tick_s)
+            for rt in list(self._devices.values()):
+                if rt.online and rt.agent is not None:
+                    rt.agent.tick()
+
+    async def _cancel_all(self) -> None:
+        for rt in self._devices.values():
+            for h in rt.hung:
+                h.cancel()
+            if rt.updater is not None:
+                rt.updater.stop()
+        me = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not me]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------------ presence
+
+    def _born(self, rt: _Runtime) -> bool:
+        assert self._observer is not None
+        session = rt.agent.link.session if rt.agent is not None else 0
+        return session > 0 and self._observer.states.get(rt.spec.device_id) == (
+            Kind.ONLINE,
+            session,
+        )
+
+    def _wait_born(self, rts: Sequence[_Runtime], deadline: float) -> None:
+        assert self._observer is not None
+        left = max(0.1, deadline - time.monotonic())
+        if not self._observer.wait(lambda: all(self._born(rt) for rt in rts), left):
+            missing = [rt.spec.device_id for rt in rts if not self._born(rt)]
+            raise TimeoutError(f"fleetsim: no birth on the broker from {missing[:10]} ...")
+
+    def _wait_state(self, rt: _Runtime, kind: int, session: int, deadline: float) -> None:
+        assert self._observer is not None
+        want = (kind, session)
+        left = max(0.1, deadline - time.monotonic())
+        if not self._observer.wait(lambda: self._observer_state(rt) == want, left):
+            raise TimeoutError(
+                f"fleetsim: {rt.spec.device_id}: no {Kind.Kind.Name(kind)} state for session "
+                f"{session} (have {self._observer_state(rt)})"
+            )
+
+    def _observer_state(self, rt: _Runtime) -> tuple[int, int] | None:
+        assert self._observer is not None
+        return self._observer.states.get(rt.spec.device_id)
+
+    # ------------------------------------------------------------------ going away
+
+    def _power_cut_soon(self, rt: _Runtime) -> None:
+        """From the event loop: cut the device's power from a worker thread."""
+        self._loop.run_in_executor(None, self._power_cut, rt)
+
+    def _power_cut(self, rt: _Runtime) -> int:
+        """Drop the connection the way a power cut does (no DISCONNECT: the broker sends the
+        Will), end the link's thread without a reconnect, stop the updater. Its session."""
+        agent, updater = rt.agent, rt.updater
+        if not rt.online or agent is None:
+            return 0
+        rt.online = False
+        link = agent.link
+        session = link.session
+        # the link's own stop() says goodbye cleanly (OFFLINE); a power cut does not: stop
+        # its thread from reconnecting and cut the socket under it
+        link._stop.set()
+        sock = link._client.socket()
+        if isinstance(sock, socket.socket):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        link._wake.set()
+        link._thread.join(10)
+        with contextlib.suppress(Exception):
+            link._client._sock_close()
+        if updater is not None:
+            self._loop.call_soon_threadsafe(updater.stop)
+        for h in rt.hung:
+            self._loop.call_soon_threadsafe(h.cancel)
+        log.info("fleetsim: %s lost power (session %d)", rt.spec.device_id, session)
+        return session
+
+    def _clean_stop(self, rt: _Runtime) -> None:
+        agent = rt.agent
+        if agent is None or not rt.online:
+            return
+        rt.online = False
+        if rt.updater is not None:
+            self._loop.call_soon_threadsafe(rt.updater.stop)
+        try:
+            agent.stop()
+        except Exception:  # a device that cannot say goodbye must not stop the others
+            log.exception("fleetsim: %s did not stop cleanly", rt.spec.device_id)
