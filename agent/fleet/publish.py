@@ -1,23 +1,31 @@
-"""`edge-agent fleet publish-update BUNDLE --device ID | --all`: offer a signed update to devices,
-serve its payload in blocks over MQTT when the manifest has no URL, and follow each device's
-update status until it is final (committed, rolled back, rejected or failed)."""
+"""Offering a signed update over MQTT: `Offer` sends the `update` command to devices, serves the
+payload in blocks when the manifest has no URL, and follows each device's update status, all
+over ONE connection the caller owns and pumps (`edge-agent fleet publish-update` here, and the
+rollout driver, `agent.fleet.rollout`). It subscribes to wildcards (`<prefix>/+/update/status`,
+`<prefix>/+/update/block`, `<prefix>/+/resp/<requester>`), so a thousand devices cost the same
+three subscriptions as one.
+
+`publish_update` (`edge-agent fleet publish-update BUNDLE --device ID | --all`): offer to a
+list of devices and follow them until each is final (committed, rolled back, rejected or failed).
+"""
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 import paho.mqtt.client as mqtt
 from google.protobuf.message import DecodeError
 
-from agent.fleet.codec import PayloadError
 from agent.fleet.digest import Presence
-from agent.fleet.mqtt import MqttOptions, decode_message, outgoing
-from agent.fleet.operator import send, watch
-from agent.fleet.operator_link import FleetError, _client_id, _Link
+from agent.fleet.mqtt import MqttOptions, publish_properties
+from agent.fleet.operator import COMMAND_TYPE, watch
+from agent.fleet.operator_link import _client_id, _Link
 from agent.fleet.topics import Topics, parse
 from agent.ota.bundle import BundleError, Payload, read_bundle
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
@@ -25,13 +33,15 @@ from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 log = logging.getLogger(__name__)
 
-MAX_BLOCK = 1 << 20
+MAX_BLOCK: Final = 1 << 20
+ANSWER_TIMEOUT_S: Final = 30.0
 FINAL = (
     fpb.UpdateStatus.COMMITTED,
     fpb.UpdateStatus.ROLLED_BACK,
     fpb.UpdateStatus.REJECTED,
     fpb.UpdateStatus.FAILED,
 )
+StatusHook = Callable[[str, fpb.UpdateStatus, str], None]  # device, status, "answer" | "event"
 
 
 @dataclass
@@ -66,6 +76,150 @@ def online_devices(opts: MqttOptions, prefix: str) -> list[str]:
     return sorted(r.device.device_id for r in rows if r.presence == Presence.ONLINE)
 
 
+class Offer:
+    """One update offered over one link: `handle` every message the link receives, `send` the
+    command to a device, `expire` answers that never came. `on_status(device, status, source)`
+    sees each status of a followed device: the command's answer ("answer") and the device's
+    reports on update/status ("event"), in arrival order; duplicates are the caller's to drop.
+    """
+
+    def __init__(
+        self,
+        opts: MqttOptions,
+        prefix: str,
+        signed: opb.SignedManifest,
+        manifest: opb.Manifest,
+        payload: Payload,
+        on_status: StatusHook,
+    ) -> None:
+        self.opts, self.prefix = opts, prefix
+        self.signed, self.manifest, self.payload = signed, manifest, payload
+        self.on_status = on_status
+        self.requester = f"op-{secrets.token_hex(6)}"
+        self.following: set[str] = set()
+        self.blocks_served: dict[str, int] = {}
+        self._waiting: dict[str, tuple[bytes, float]] = {}  # device → (correlation, deadline)
+
+    def filters(self) -> list[tuple[str, int]]:
+        p = self.prefix
+        return [
+            (f"{p}/+/resp/{self.requester}", 1),
+            (f"{p}/+/update/status", 1),
+            (f"{p}/+/update/block", 1),
+        ]
+
+    def follow(self, devices: Iterable[str]) -> None:
+        """Devices whose statuses and block requests are ours (offered here or earlier)."""
+        self.following.update(devices)
+
+    def send(self, link: _Link, device: str, deadline: float) -> None:
+        """Publish the update command (the signed manifest as its body) to `device` and wait
+        for the broker's PUBACK; the answer comes later, through `handle`."""
+        self.following.add(device)
+        topics = Topics(self.prefix, device)
+        reply = topics.response(self.requester)
+        correlation = secrets.token_bytes(16)
+        cmd = fpb.Command(body=self.signed.SerializeToString())
+        if self.opts.v5:
+            props = publish_properties(
+                self.opts, COMMAND_TYPE, response_topic=reply, correlation=correlation
+            )
+        else:
+            cmd.reply_topic, cmd.correlation, props = reply, correlation, None
+        self._waiting[device] = (correlation, time.monotonic() + ANSWER_TIMEOUT_S)
+        link.publish(topics.command("update"), cmd.SerializeToString(), props, deadline)
+        log.info("offered update %s to %s", self.manifest.update_id, device)
+
+    def expire(self) -> None:
+        """Devices that did not answer the command within ANSWER_TIMEOUT_S: FAILED."""
+        now = time.monotonic()
+        for device, (_, deadline) in list(self._waiting.items()):
+            if now >= deadline:
+                del self._waiting[device]
+                why = f"device {device} did not answer update within {ANSWER_TIMEOUT_S:g} s"
+                st = fpb.UpdateStatus(
+                    update_id=self.manifest.update_id,
+                    phase=fpb.UpdateStatus.FAILED,
+                    message=why,
+                    reason_code="no-answer",
+                )
+                self.on_status(device, st, "answer")
+
+    def handle(self, link: _Link, msg: mqtt.MQTTMessage) -> bool:
+        """True if `msg` was for this offer (an answer, a status report, a block request)."""
+        p = parse(self.prefix, msg.topic)
+        if p is None or p.device not in self.following or msg.retain:
+            return False
+        if p.kind == "resp" and p.name == self.requester:
+            self._answer(p.device, msg)
+        elif p.kind == "update" and p.name == "block":
+            self._serve_block(link, p.device, bytes(msg.payload))
+        elif p.kind == "update" and p.name == "status":
+            try:
+                event = fpb.Event.FromString(bytes(msg.payload))
+            except DecodeError:
+                log.info("ignoring a malformed update status from %s", p.device)
+                return True
+            ours = event.WhichOneof("kind") == "update"
+            if ours and event.update.update_id == self.manifest.update_id:
+                self.on_status(p.device, event.update, "event")
+        else:
+            return False
+        return True
+
+    def _answer(self, device: str, msg: mqtt.MQTTMessage) -> None:
+        waiting = self._waiting.get(device)
+        if waiting is None:
+            return
+        if self.opts.v5:
+            corr = getattr(msg.properties, "CorrelationData", None)
+            if corr is None or bytes(corr) != waiting[0]:
+                log.info("ignoring an answer from %s with other correlation data", device)
+                return
+        try:
+            resp = fpb.CommandResponse.FromString(bytes(msg.payload))
+        except DecodeError:
+            log.warning("ignoring a malformed answer from %s", device)
+            return
+        if resp.command and resp.command != "update":
+            return
+        del self._waiting[device]
+        if resp.HasField("update"):
+            self.on_status(device, resp.update, "answer")
+        if resp.code != fpb.CommandResponse.OK and (
+            not resp.HasField("update") or resp.update.phase not in FINAL
+        ):
+            st = fpb.UpdateStatus(
+                update_id=self.manifest.update_id,
+                phase=fpb.UpdateStatus.REJECTED,
+                message=resp.message,
+                reason_code=fpb.CommandResponse.Code.Name(resp.code).lower(),
+            )
+            self.on_status(device, st, "answer")
+
+    def _serve_block(self, link: _Link, device: str, data: bytes) -> None:
+        try:
+            req = opb.BlockRequest.FromString(data)
+        except DecodeError:
+            return
+        size = self.payload.size
+        if req.update_id != self.manifest.update_id or req.offset >= size:
+            return
+        length = min(req.length, MAX_BLOCK, size - req.offset)
+        with open(self.payload.path, "rb") as f:
+            f.seek(self.payload.offset + req.offset)
+            chunk = f.read(length)
+        block = opb.Block(update_id=req.update_id, offset=req.offset, data=chunk, total=size)
+        props = publish_properties(self.opts, "edge_agent.ota.v1.Block")
+        link.client.publish(
+            Topics(self.prefix, device).block_data,
+            block.SerializeToString(),
+            qos=1,
+            properties=props,
+        )
+        self.blocks_served[device] = self.blocks_served.get(device, 0) + 1
+
+
 def publish_update(
     opts: MqttOptions,
     prefix: str,
@@ -81,83 +235,35 @@ def publish_update(
     device's report of the same transition are one status), none after a final one."""
     signed, manifest, payload = read_offer(bundle)
     progress = {d: Progress(d) for d in devices}
-    by_block = {Topics(prefix, d).block_request: d for d in devices}
     seen: dict[str, set[bytes]] = {d: set() for d in devices}
 
-    def record(device: str, status: fpb.UpdateStatus) -> None:
+    def record(device: str, status: fpb.UpdateStatus, _source: str) -> None:
         key = status.SerializeToString(deterministic=True)
-        if progress[device].final or key in seen[device]:
+        if device not in progress or progress[device].final or key in seen[device]:
             return
         seen[device].add(key)
         progress[device].status = status
         if on_status is not None:
             on_status(device, status)
 
-    def on_message(msg: mqtt.MQTTMessage) -> None:
-        p = parse(prefix, msg.topic)
-        if p is None or p.kind != "update" or p.device not in progress or msg.retain:
-            return
-        if msg.topic in by_block:
-            serve_block(p.device, msg)
-            return
-        if p.name != "status":
-            return
-        try:
-            event = decode_message(fpb.Event, msg)
-        except PayloadError:
-            return
-        if event.WhichOneof("kind") == "update" and event.update.update_id == manifest.update_id:
-            record(p.device, event.update)
-
-    def serve_block(device: str, msg: mqtt.MQTTMessage) -> None:
-        try:
-            req = decode_message(opb.BlockRequest, msg)
-        except PayloadError:
-            return
-        if req.update_id != manifest.update_id or req.offset >= payload.size:
-            return
-        length = min(req.length, MAX_BLOCK, payload.size - req.offset)
-        with open(payload.path, "rb") as f:
-            f.seek(payload.offset + req.offset)
-            chunk = f.read(length)
-        block = opb.Block(
-            update_id=req.update_id, offset=req.offset, data=chunk, total=payload.size
-        )
-        data, props = outgoing(opts, block)
-        link.client.publish(Topics(prefix, device).block_data, data, qos=1, properties=props)
-        progress[device].blocks_served += 1
-
+    offer = Offer(opts, prefix, signed, manifest, payload, record)
     deadline = time.monotonic() + timeout_s
+
+    def on_message(msg: mqtt.MQTTMessage) -> None:
+        offer.handle(link, msg)
+
     link = _Link(opts, _client_id("publish"), on_message)
     try:
         link.connect(deadline)
-        filters = []
-        for d in devices:
-            t = Topics(prefix, d)
-            filters += [(t.update_status, 1), (t.block_request, 1)]
-        link.subscribe(filters, deadline)
+        link.subscribe(offer.filters(), deadline)
+        offer.follow(devices)
         for d in devices:  # the manifest, as the body of the update command
-            try:
-                resp = send(opts, prefix, d, "update", {}, signed.SerializeToString(), 30.0)
-            except FleetError as exc:
-                failed = fpb.UpdateStatus.FAILED
-                record(
-                    d,
-                    fpb.UpdateStatus(update_id=manifest.update_id, phase=failed, message=str(exc)),
-                )
-                continue
-            if resp.HasField("update"):
-                record(d, resp.update)
-            if resp.code != fpb.CommandResponse.OK and not progress[d].final:
-                rejected = fpb.UpdateStatus.REJECTED
-                record(
-                    d,
-                    fpb.UpdateStatus(
-                        update_id=manifest.update_id, phase=rejected, message=resp.message
-                    ),
-                )
+            offer.send(link, d, deadline)
         while not all(p.final for p in progress.values()) and time.monotonic() < deadline:
             link.pump(min(0.2, max(0.0, deadline - time.monotonic())))
+            offer.expire()
     finally:
         link.close()
+    for d, n in offer.blocks_served.items():
+        progress[d].blocks_served = n
     return progress
