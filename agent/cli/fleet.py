@@ -30,6 +30,7 @@ from agent.cli.fleet_common import (
     describe,
 )
 from agent.cli.fleet_decode import add_decode_command
+from agent.cli.fleet_rollout import add_rollout_commands
 from agent.cli.fleet_update import add_update_commands
 from agent.config import DEVICE_ID_RE
 from agent.fleet.render import render, summary, to_json
@@ -212,4 +213,5 @@ def add_fleet_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.set_defaults(func=cmd_fleet_send)
 
     add_update_commands(sub)
+    add_rollout_commands(sub)
     add_decode_command(sub)
