@@ -1,11 +1,12 @@
-"""`edge-agent fleet watch|send|publish-update|cancel-update`: the operator's commands
-(docs/FLEET.md).
+"""`edge-agent fleet watch|send|inventory|publish-update|cancel-update|decode`: the operator's
+commands (docs/FLEET.md).
 
 Connection settings come from the agent config's [fleet] section (`--config`, default
-/etc/edge-agent/agent.toml, absent is fine); flags win. Exit codes: 0 done (send: the device
-answered OK; publish-update: every device committed), 1 the device answered an error, did not
-answer, did not commit, or the broker could not be reached, 2 usage or configuration errors
-(publish-update: also a bundle that does not read).
+/etc/edge-agent/agent.toml, absent is fine); flags win. Exit codes: 0 done (send: the device,
+or every device of the group, answered OK; publish-update: every device committed), 1 a device
+answered an error, did not answer, was offline (`send --group`), did not commit, or the broker
+could not be reached, 2 usage or configuration errors (publish-update: also a bundle that does
+not read).
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ from agent.cli.fleet_common import (
     _connection,
     _connection_args,
     _good_prefix,
+    _group,
+    _group_arg,
     _Usage,
     describe,
 )
 from agent.cli.fleet_decode import add_decode_command
+from agent.cli.fleet_inventory import add_inventory_command, send_to_group
 from agent.cli.fleet_rollout import add_rollout_commands
 from agent.cli.fleet_update import add_update_commands
 from agent.config import DEVICE_ID_RE
@@ -45,6 +49,7 @@ def cmd_fleet_watch(args: argparse.Namespace) -> int:
     from agent.fleet.operator_link import FleetError
 
     try:
+        group = _group(args)
         opts, fleet = _connection(args)
     except _Usage as exc:
         return _fail(str(exc))
@@ -62,6 +67,7 @@ def cmd_fleet_watch(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             stale_after_s=stale,
             filter=args.filter,
+            group=group,
         )
     except FleetError as exc:
         print(f"edge-agent: {exc}", file=sys.stderr)
@@ -72,11 +78,12 @@ def cmd_fleet_watch(args: argparse.Namespace) -> int:
         return 0
     now = time.time()
     if args.json:
-        print(json.dumps(to_json(view, now, args.filter), indent=2))
+        print(json.dumps(to_json(view, now, args.filter, group), indent=2))
         if view.malformed or view.late_wills:
-            print(f"edge-agent: {summary(view, now, args.filter)}", file=sys.stderr)
+            print(f"edge-agent: {summary(view, now, args.filter, group)}", file=sys.stderr)
     else:
-        print(render(view, now, shutil.get_terminal_size((160, 50)).columns, filter=args.filter))
+        width = shutil.get_terminal_size((160, 50)).columns
+        print(render(view, now, width, filter=args.filter, group=group))
     return 0
 
 
@@ -109,8 +116,15 @@ def cmd_fleet_send(args: argparse.Namespace) -> int:
     from agent.fleet.operator_link import FleetError
 
     try:
+        group = _group(args)
+        if group is not None:  # `send --group G CMD`: the one positional is the command
+            if args.cmd is not None:
+                raise _Usage(f"--group {group} sends to the group: give CMD, not a device id")
+            args.cmd, args.device = args.device, None
+        if args.cmd is None:
+            raise _Usage("give DEVICE CMD, or --group G CMD")
         opts, fleet = _connection(args)
-        if not DEVICE_ID_RE.fullmatch(args.device):
+        if group is None and not DEVICE_ID_RE.fullmatch(args.device):
             raise _Usage(f"device id {args.device!r} is not valid (A-Z a-z 0-9 _ . : -)")
         if not COMMAND_RE.fullmatch(args.cmd):
             raise _Usage(f"command {args.cmd!r} is not valid (e.g. ping, status, reload)")
@@ -121,6 +135,8 @@ def cmd_fleet_send(args: argparse.Namespace) -> int:
         body = _read_body(args.body_file)
     except _Usage as exc:
         return _fail(str(exc))
+    if group is not None:
+        return send_to_group(args, opts, prefix, group, cmd_args, body)
     try:
         resp = send(
             opts,
@@ -168,6 +184,7 @@ def add_fleet_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument(
         "--filter", metavar="SUBSTR", help="only devices whose id, model or profile contains this"
     )
+    _group_arg(p, "only devices")
     p.add_argument(
         "--stale-after",
         type=float,
@@ -192,11 +209,16 @@ def add_fleet_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     )
     p.set_defaults(func=cmd_fleet_watch)
 
-    p = sub.add_parser("send", help="send a command to one device and print its answer")
-    p.add_argument("device", metavar="DEVICE", help="device id")
+    p = sub.add_parser(
+        "send",
+        help="send a command to one device (or every device of a group) and print the answers",
+        usage="%(prog)s (DEVICE | --group G) CMD [options]",
+    )
+    p.add_argument("device", metavar="DEVICE", nargs="?", help="device id (not with --group)")
     p.add_argument(
         "cmd",
         metavar="CMD",
+        nargs="?",
         help="command: ping, status, reload, update (--body-file: a SignedManifest, the "
         "manifest.pb of a bundle; `publish-update` sends it and serves the payload) or cancel "
         "(--body-file: a SignedCancel of the update in progress)",
@@ -205,13 +227,25 @@ def add_fleet_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         "--arg", action="append", default=[], metavar="KEY=VALUE", help="argument (repeatable)"
     )
     p.add_argument("--body-file", metavar="F", help="the command's body (- for stdin)")
+    _group_arg(p, "send to every online device")
     p.add_argument(
-        "--timeout", type=float, default=10.0, metavar="S", help="wait this long (default: 10)"
+        "--timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="wait this long (default: 10); with --group, for each device from when its "
+        "command went out",
     )
-    p.add_argument("--json", action="store_true", help="print the CommandResponse as JSON")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the CommandResponse as JSON (--group: one JSON object a line per device, "
+        "then a summary)",
+    )
     _connection_args(p)
     p.set_defaults(func=cmd_fleet_send)
 
+    add_inventory_command(sub)
     add_update_commands(sub)
     add_rollout_commands(sub)
     add_decode_command(sub)

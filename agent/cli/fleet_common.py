@@ -12,7 +12,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.config import BROKER_FORMAT, MQTT_PROTOCOLS, FleetConfig, load_config, parse_broker
+from agent.config import (
+    BROKER_FORMAT,
+    GROUP_RE,
+    MQTT_PROTOCOLS,
+    FleetConfig,
+    load_config,
+    parse_broker,
+)
 from agent.errors import AgentError
 from agent.fleet.digest import HealthInfo, health_info
 from agent.fleet.mqtt import MqttOptions
@@ -56,6 +63,22 @@ def _connection(args: argparse.Namespace) -> tuple[MqttOptions, FleetConfig]:
         encoding=fleet.encoding,
     )
     return opts, fleet
+
+
+def _group(args: argparse.Namespace) -> str | None:
+    """The `--group` flag, checked like the config's `[fleet] group`; None if not given."""
+    group: str | None = getattr(args, "group", None)
+    if group is not None and not GROUP_RE.fullmatch(group):
+        raise _Usage(
+            f"--group {group!r} is not valid: 1-64 of A-Z a-z 0-9 _ . : - (a letter or digit first)"
+        )
+    return group
+
+
+def _group_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--group", metavar="G", help=f"{what} whose [fleet] group is G (as they announce it)"
+    )
 
 
 def _good_prefix(prefix: str) -> bool:

@@ -54,6 +54,7 @@ def watch(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     stale_after_s: float = DEFAULT_STALE_AFTER_S,
     filter: str | None = None,
+    group: str | None = None,
     out: TextIO | None = None,
     size: Callable[[], tuple[int, int]] | None = None,
     stop: threading.Event | None = None,
@@ -103,7 +104,8 @@ def watch(
     current = [open_link(deadline)]
     try:
         if not once:
-            _live(current, open_link, view, changed, filter, out or sys.stdout, size, stop)
+            shown = (filter, group)
+            _live(current, open_link, view, changed, shown, out or sys.stdout, size, stop)
             return view
         last_retained[0] = time.monotonic()
         while True:
@@ -141,7 +143,7 @@ def _live(
     open_link: Callable[[float], _Link],
     view: FleetView,
     changed: list[bool],
-    filter: str | None,
+    shown: tuple[str | None, str | None],  # the rows the table shows: (filter, group)
     out: TextIO,
     size: Callable[[], tuple[int, int]] | None,
     stop: threading.Event | None,
@@ -155,9 +157,8 @@ def _live(
         nonlocal drawn_at
         columns, lines = (size or _terminal_size)()
         title = status or f"edge-agent fleet watch · {url} · {view.prefix} · Ctrl-C quits"
-        table = render(
-            view, time.time(), columns, max_rows=max(1, lines - HEADER_LINES - 1), filter=filter
-        )
+        rows = max(1, lines - HEADER_LINES - 1)
+        table = render(view, time.time(), columns, rows, filter=shown[0], group=shown[1])
         body = "\x1b[K\n".join([title[:columns], *table.split("\n")])
         out.write("\x1b[H" + body + "\x1b[K\n\x1b[J")  # home, draw over, clear what is left
         out.flush()
