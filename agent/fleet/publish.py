@@ -185,7 +185,12 @@ class Offer:
             return
         del self._waiting[device]
         if resp.HasField("update"):
-            self.on_status(device, resp.update, "answer")
+            st = fpb.UpdateStatus()
+            st.CopyFrom(resp.update)
+            # the answer to our offer is about our update, also when the device could not
+            # read its id (a manifest it cannot verify is reported as update "?", id "")
+            st.update_id = st.update_id or self.manifest.update_id
+            self.on_status(device, st, "answer")
         if resp.code != fpb.CommandResponse.OK and (
             not resp.HasField("update") or resp.update.phase not in FINAL
         ):

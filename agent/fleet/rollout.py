@@ -41,7 +41,7 @@ from typing import Final
 import paho.mqtt.client as mqtt
 
 from agent.fleet import rollout_plan as plan
-from agent.fleet.mqtt import MqttOptions
+from agent.fleet.mqtt import MqttOptions, payload_content
 from agent.fleet.operator_link import FleetError, _client_id, _Link
 from agent.fleet.publish import Offer, read_offer
 from agent.fleet.rollout_report import RolloutReport, report
@@ -285,7 +285,9 @@ class _Driver:
             return
         if msg.retain:
             self.last_retained = time.monotonic()
-        got = self.view.update(msg.topic, bytes(msg.payload))
+        got = self.view.update(
+            msg.topic, bytes(msg.payload), retained=bool(msg.retain), content=payload_content(msg)
+        )
         if got is not None and got[1] is not None:
             self.learn(got[0], got[1])
 
