@@ -19,12 +19,17 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from agent import __version__
 from agent.cli.fleet import add_fleet_parser
+from agent.config import parse_broker
 from agent.errors import AgentError
 from agent.fleet.digest import Presence
+from agent.fleet.fanout import MAX_IN_FLIGHT, Outcome, send_many
 from agent.fleet.inventory import InventoryRow, inventory, split_model
+from agent.fleet.mqtt import MqttOptions
 from agent.fleet.render import inventory_json, inventory_table, render
 from agent.fleet.topics import Topics
 from agent.fleet.view import FleetView
@@ -300,11 +305,104 @@ def test_send_group_reaches_only_the_group_and_reports_the_rest(
     assert summary == {"summary": {"group": "beta", "devices": 1, "ok": ["dev-b1"], "failed": {}}}
     assert "command ping received" not in fleet.daemons["dev-b1"].read_log()
 
+    # an MQTT 3.1.1 operator: the route goes in the Command, the topic identifies the answer
+    assert cli(["fleet", "send", "--group", "beta", "ping", "--protocol", "3.1.1", *base]) == 0
+    assert capsys.readouterr().out.split("\n")[0] == "dev-b1 ping: OK"
+
     # the Will names the group too
     b1 = fleet.daemons["dev-b1"]
     b1.proc.send_signal(signal.SIGKILL)
     lost = fleet.retained.state("dev-b1", State.LOST)
     assert (lost.group, tuple(lost.tags)) == DEVICES["dev-b1"]
+
+
+class Responder:
+    """One MQTT client answering `ping` for every device under `prefix`; it holds answers back
+    until `hold` commands are unanswered (or none came for `idle_s`), then answers them all, and
+    records the most it ever saw unanswered."""
+
+    def __init__(self, broker: Mosquitto, prefix: str, hold: int, idle_s: float = 1.0) -> None:
+        self.prefix, self.hold, self.idle_s = prefix, hold, idle_s
+        self.held: list[tuple[str, bytes]] = []
+        self.received: list[str] = []
+        self.most = 0
+        self._last = time.monotonic()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        ready = threading.Event()
+        self.client = mqtt.Client(
+            CallbackAPIVersion.VERSION2, client_id="responder", protocol=mqtt.MQTTv5
+        )
+        self.client.on_subscribe = lambda *_: ready.set()
+        self.client.on_message = self._on_message
+        self.client.connect("127.0.0.1", broker.port)
+        self.client.subscribe(f"{prefix}/+/cmd/+", qos=1)
+        self.client.loop_start()
+        assert ready.wait(10)
+        self._idler = threading.Thread(target=self._idle, daemon=True)
+        self._idler.start()
+
+    def _on_message(self, _c: object, _u: object, msg: mqtt.MQTTMessage) -> None:
+        device = msg.topic.split("/")[-3]
+        corr = bytes(msg.properties.CorrelationData)  # type: ignore[union-attr]
+        with self._lock:
+            self.received.append(device)
+            self.held.append((msg.properties.ResponseTopic, corr))  # type: ignore[union-attr]
+            self.most = max(self.most, len(self.held))
+            self._last = time.monotonic()
+            if len(self.held) >= self.hold:
+                self._answer()
+
+    def _idle(self) -> None:
+        while not self._stop.wait(0.1):
+            with self._lock:
+                if self.held and time.monotonic() - self._last > self.idle_s:
+                    self._answer()
+
+    def _answer(self) -> None:
+        for topic, corr in self.held:
+            props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+            props.CorrelationData = corr
+            resp = pb.CommandResponse(code=pb.CommandResponse.OK, command="ping")
+            self.client.publish(topic, resp.SerializeToString(), qos=1, properties=props)
+        self.held.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._idler.join(5)
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def test_send_many_keeps_16_unanswered_on_one_connection(tmp_path: Path) -> None:
+    broker = Mosquitto(tmp_path)
+    prefix, now = "fleet/many", time.time()
+    view = FleetView(prefix)
+    for i in range(40):
+        kind = State.OFFLINE if i % 10 == 9 else State.ONLINE
+        st = State(state=kind, session=1, device_id=f"d{i:02d}", group="g", timestamp_unix=now)
+        view.update(f"{prefix}/d{i:02d}/state", st.SerializeToString(), now)
+    targets = inventory(view, "g")
+    # a sender that kept more than 16 unanswered would make it hold 17
+    responder = Responder(broker, prefix, hold=MAX_IN_FLIGHT + 1)
+    try:
+        connections = broker.read_log().count("New client connected")
+        results = send_many(options(broker), prefix, targets, "ping", timeout_s=20)
+        assert broker.read_log().count("New client connected") == connections + 1
+    finally:
+        responder.close()
+        broker.stop()
+    outcomes = {d: r.outcome for d, r in results.items()}
+    assert outcomes == {
+        f"d{i:02d}": Outcome.OFFLINE if i % 10 == 9 else Outcome.OK for i in range(40)
+    }
+    assert sorted(responder.received) == sorted(d for d, o in outcomes.items() if o == "ok")
+    # never more than 16 unanswered, and the sender did fill the window (waiting for answers)
+    assert responder.most == MAX_IN_FLIGHT
+
+
+def options(broker: Mosquitto) -> MqttOptions:
+    return MqttOptions(parse_broker("test", "broker", broker.url))
 
 
 def test_a_bad_group_is_one_line_and_exit_2(
