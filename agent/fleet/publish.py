@@ -22,9 +22,10 @@ from typing import Final
 import paho.mqtt.client as mqtt
 from google.protobuf.message import DecodeError
 
+from agent.fleet.codec import PayloadError
 from agent.fleet.digest import Presence
-from agent.fleet.mqtt import MqttOptions, publish_properties
-from agent.fleet.operator import COMMAND_TYPE, watch
+from agent.fleet.mqtt import MqttOptions, decode_message, outgoing
+from agent.fleet.operator import watch
 from agent.fleet.operator_link import _client_id, _Link
 from agent.fleet.topics import Topics, parse
 from agent.ota.bundle import BundleError, Payload, read_bundle
@@ -120,14 +121,11 @@ class Offer:
         reply = topics.response(self.requester)
         correlation = secrets.token_bytes(16)
         cmd = fpb.Command(body=self.signed.SerializeToString())
-        if self.opts.v5:
-            props = publish_properties(
-                self.opts, COMMAND_TYPE, response_topic=reply, correlation=correlation
-            )
-        else:
-            cmd.reply_topic, cmd.correlation, props = reply, correlation, None
+        if not self.opts.v5:
+            cmd.reply_topic, cmd.correlation = reply, correlation
+        payload, props = outgoing(self.opts, cmd, response_topic=reply, correlation=correlation)
         self._waiting[device] = (correlation, time.monotonic() + ANSWER_TIMEOUT_S)
-        link.publish(topics.command("update"), cmd.SerializeToString(), props, deadline)
+        link.publish(topics.command("update"), payload, props, deadline)
         log.info("offered update %s to %s", self.manifest.update_id, device)
 
     def expire(self) -> None:
@@ -153,11 +151,11 @@ class Offer:
         if p.kind == "resp" and p.name == self.requester:
             self._answer(p.device, msg)
         elif p.kind == "update" and p.name == "block":
-            self._serve_block(link, p.device, bytes(msg.payload))
+            self._serve_block(link, p.device, msg)
         elif p.kind == "update" and p.name == "status":
             try:
-                event = fpb.Event.FromString(bytes(msg.payload))
-            except DecodeError:
+                event = decode_message(fpb.Event, msg)
+            except PayloadError:
                 log.info("ignoring a malformed update status from %s", p.device)
                 return True
             ours = event.WhichOneof("kind") == "update"
@@ -177,8 +175,8 @@ class Offer:
                 log.info("ignoring an answer from %s with other correlation data", device)
                 return
         try:
-            resp = fpb.CommandResponse.FromString(bytes(msg.payload))
-        except DecodeError:
+            resp = decode_message(fpb.CommandResponse, msg)
+        except PayloadError:
             log.warning("ignoring a malformed answer from %s", device)
             return
         if resp.command and resp.command != "update":
@@ -202,10 +200,10 @@ class Offer:
             )
             self.on_status(device, st, "answer")
 
-    def _serve_block(self, link: _Link, device: str, data: bytes) -> None:
+    def _serve_block(self, link: _Link, device: str, msg: mqtt.MQTTMessage) -> None:
         try:
-            req = opb.BlockRequest.FromString(data)
-        except DecodeError:
+            req = decode_message(opb.BlockRequest, msg)
+        except PayloadError:
             return
         size = self.payload.size
         if req.update_id != self.manifest.update_id or req.offset >= size:
@@ -215,13 +213,8 @@ class Offer:
             f.seek(self.payload.offset + req.offset)
             chunk = f.read(length)
         block = opb.Block(update_id=req.update_id, offset=req.offset, data=chunk, total=size)
-        props = publish_properties(self.opts, "edge_agent.ota.v1.Block")
-        link.client.publish(
-            Topics(self.prefix, device).block_data,
-            block.SerializeToString(),
-            qos=1,
-            properties=props,
-        )
+        data, props = outgoing(self.opts, block)
+        link.client.publish(Topics(self.prefix, device).block_data, data, qos=1, properties=props)
         self.blocks_served[device] = self.blocks_served.get(device, 0) + 1
 
 
