@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import platform
 import signal
@@ -30,6 +31,7 @@ from agent.fleet.digest import Presence
 from agent.fleet.fanout import MAX_IN_FLIGHT, Outcome, send_many
 from agent.fleet.inventory import InventoryRow, inventory, split_model
 from agent.fleet.mqtt import MqttOptions
+from agent.fleet.operator import watch
 from agent.fleet.render import inventory_json, inventory_table, render
 from agent.fleet.topics import Topics
 from agent.fleet.view import FleetView
@@ -221,6 +223,25 @@ def test_watch_group_shows_only_that_group(
     ]
     assert cli([*base, "--group", "nobody"]) == 0
     assert "(no device matches)" in capsys.readouterr().out
+    # the live table too
+    out, stop = io.StringIO(), threading.Event()
+    opts = options(fleet.broker)
+    live = threading.Thread(
+        target=watch,
+        args=(opts, PREFIX),
+        kwargs=dict(once=False, group="beta", out=out, size=lambda: (120, 20), stop=stop),
+    )
+    live.start()
+    try:
+        deadline = time.monotonic() + 10
+        while "dev-b1" not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        live.join(10)
+    frame = out.getvalue().rsplit("\x1b[H", 1)[-1]
+    assert "group 'beta': 1 device: 1 online" in frame
+    assert "dev-b1" in frame and "dev-a1" not in frame
 
 
 # ----------------------------------------------------------------------------- inventory
