@@ -168,27 +168,54 @@ def test_birth_retained_health_and_offline_on_rabbitmq(
     watch.close()
 
 
-def test_no_retained_copies_for_wildcards(rabbit: RabbitMQ) -> None:
-    """RabbitMQ 3.10 stores the retained message but sends it only to a subscription naming
-    the exact topic, not to `fleet/v1/+/state` (MQTT 3.1.1 §3.3.1.3 says every matching one):
-    what docs/FLEET.md says `fleet watch` gets on this broker."""
-    topic = f"{PREFIX}/dev-rmq-wild/state"
-    pub = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="rmq-wild", protocol=mqtt.MQTTv311)
-    pub.connect("127.0.0.1", rabbit.port)
+def publish(broker: RabbitMQ, topic: str, payload: bytes, retain: bool = False) -> None:
+    """One QoS 1 message, acknowledged by the broker."""
+    pub = mqtt.Client(
+        CallbackAPIVersion.VERSION2, client_id=f"pub-{time.monotonic_ns()}", protocol=mqtt.MQTTv311
+    )
+    pub.connect("127.0.0.1", broker.port)
     pub.loop_start()
     try:
-        msg = State(device_id="dev-rmq-wild", state=State.ONLINE, session=1)
-        pub.publish(topic, msg.SerializeToString(), qos=1, retain=True).wait_for_publish(10)
+        pub.publish(topic, payload, qos=1, retain=retain).wait_for_publish(10)
     finally:
         pub.loop_stop()
         pub.disconnect()
-    assert retained(rabbit, topic).retain  # stored
+
+
+def test_what_rabbitmq_does_differently(rabbit: RabbitMQ) -> None:
+    """The two departures from MQTT 3.1.1 that docs/FLEET.md ("Brokers") describes, which
+    mosquitto does not make:
+
+    * a retained message goes only to a subscription naming its exact topic, not to
+      `fleet/v1/+/state` (§3.3.1.3: to every matching one): `fleet watch` sees live messages only;
+    * a `.` in a topic is a level separator (MQTT topics are AMQP routing keys there) and comes
+      back as `/`: a device id with a `.` does not work on this broker.
+    """
+    topic = f"{PREFIX}/dev-rmq-wild/state"
+    publish(
+        rabbit, topic, State(device_id="dev-rmq-wild", state=State.ONLINE).SerializeToString(), True
+    )
+    assert retained(rabbit, topic).retain  # stored, and sent to the exact topic
     wild = Observer(rabbit, "rmq-wild-late", [f"{PREFIX}/+/state"])
     try:
-        time.sleep(2)  # mosquitto delivers it within milliseconds
+        time.sleep(2)  # mosquitto sends it within milliseconds
         assert [s for s in wild.seen if s.topic == topic] == []
     finally:
         wild.close()
+
+    dotted = Topics(PREFIX, "dev.rmq")
+    exact = Observer(rabbit, "rmq-dots", [dotted.commands])
+    levels = Observer(rabbit, "rmq-dots-levels", [f"{PREFIX}/+/cmd/+"])
+    try:
+        publish(rabbit, dotted.command("ping"), b"")
+        got = exact.wait(lambda s: True)
+        assert got.topic == f"{PREFIX}/dev/rmq/cmd/ping"  # not dotted.command("ping")
+        publish(rabbit, Topics(PREFIX, "dev-rmq").command("ping"), b"")
+        levels.wait(lambda s: True)  # an id without a dot matches `+`; the dotted one did not
+        assert [s.topic for s in levels.seen] == [f"{PREFIX}/dev-rmq/cmd/ping"]
+    finally:
+        exact.close()
+        levels.close()
 
 
 def test_sigkill_fires_the_retained_will_on_rabbitmq(
@@ -317,3 +344,22 @@ def test_an_update_in_blocks_over_mqtt_commits_on_rabbitmq(
     finally:
         assert d.stop() == 0, d.read_log()
         blocks.close()
+
+
+def test_json_payloads_over_311_on_rabbitmq(
+    tiny_model_dir: Path, tmp_path: Path, rabbit: RabbitMQ
+) -> None:
+    """`encoding = "json"` with no MQTT 5 properties: the payload alone says it is JSON, and
+    the operator tools read it (docs/FLEET.md, "Payloads")."""
+    device = "dev-rmq-json"
+    topics = Topics(PREFIX, device)
+    d = agent(tmp_path, tiny_model_dir, rabbit, device, FLEET + 'encoding = "json"\n')
+    conn = connection(rabbit, tmp_path / "operator.toml")
+    try:
+        birth = json.loads(retained(rabbit, topics.state).payload)
+        assert birth["deviceId"] == device and birth["state"] == "ONLINE"
+        pong = edge_agent("fleet", "send", device, "ping", "--json", *conn)
+        assert pong.returncode == 0, pong.stderr
+        assert json.loads(pong.stdout)["code"] == "OK"
+    finally:
+        assert d.stop() == 0, d.read_log()
