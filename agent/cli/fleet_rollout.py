@@ -133,10 +133,12 @@ def cmd_rollout_start(args: argparse.Namespace) -> int:
 
 def cmd_rollout_resume(args: argparse.Namespace) -> int:
     from agent.fleet.rollout import load_rollout
-    from agent.fleet.rollout_state import RolloutError
+    from agent.fleet.rollout_state import FINAL_STATES, RolloutError
 
     try:
-        load_rollout(rollouts_dir(args), args.rollout_id)
+        r = load_rollout(rollouts_dir(args), args.rollout_id)
+        if r.state in FINAL_STATES:
+            raise RolloutError(f"rollout {args.rollout_id} is {r.state}; it cannot resume")
     except (RolloutError, OSError) as exc:
         return _fail(str(exc))
     return _run(args, args.rollout_id, resume=True)

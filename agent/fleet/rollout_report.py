@@ -28,10 +28,13 @@ class WaveReport:
     already: int  # found on the target before any offer
     started_unix: float
     ended_unix: float
+    halted_unix: float = 0.0  # when the rollout halted in this wave (0: it did not)
 
     @property
     def duration_s(self) -> float:
-        return self.ended_unix - self.started_unix if self.ended_unix else 0.0
+        """From its start to its end, or to the halt; 0 while it runs."""
+        end = self.ended_unix or self.halted_unix
+        return end - self.started_unix if end and self.started_unix else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +53,7 @@ class RolloutReport:
     already: int
     failure_rate: float  # over the devices counted against the threshold
     devices: tuple[dict[str, Any], ...]  # per device: id, wave, attempt, status, reason, phase
+    skipped: tuple[str, ...] = ()  # target devices never online while it ran (once completed)
 
     def to_json(self) -> dict[str, Any]:
         waves = [
@@ -59,7 +63,8 @@ class RolloutReport:
                 "failed_by_reason": dict(w.failed_by_reason), "timed_out": w.timed_out,
                 "in_progress": w.in_progress, "already": w.already,
                 "started_unix": w.started_unix or None, "ended_unix": w.ended_unix or None,
-                "duration_s": round(w.duration_s, 3) if w.ended_unix else None,
+                "halted_unix": w.halted_unix or None,
+                "duration_s": round(w.duration_s, 3) if w.duration_s else None,
             }
             for w in self.waves
         ]  # fmt: skip
@@ -78,6 +83,7 @@ class RolloutReport:
             "failure_rate": round(self.failure_rate, 4),
             "waves": waves,
             "devices": list(self.devices),
+            "skipped": list(self.skipped),
         }
 
     def lines(self) -> list[str]:
@@ -88,7 +94,7 @@ class RolloutReport:
         ]
         for w in self.waves:
             reasons = ", ".join(f"{r} {n}" for r, n in w.failed_by_reason)
-            took = f", {w.duration_s:.1f} s" if w.ended_unix else ""
+            took = f", {w.duration_s:.1f} s" if w.duration_s else ""
             out.append(
                 f"  wave {w.index} ({w.percent:g}%): {w.state}; offered {w.offered}, committed "
                 f"{w.committed}, failed {w.failed}" + (f" ({reasons})" if reasons else "")
@@ -100,6 +106,8 @@ class RolloutReport:
             f"  total: offered {self.offered}, committed {self.committed}, failed {self.failed}, "
             f"already on target {self.already}; failure rate {self.failure_rate:.1%}"
         )
+        if self.skipped:
+            out.append(f"  never online, not offered: {' '.join(self.skipped)}")
         return out
 
 
@@ -136,6 +144,7 @@ def report(r: Rollout) -> RolloutReport:
                 already=sum(d.status == Status.ALREADY for d in mine),
                 started_unix=w.started_unix,
                 ended_unix=w.ended_unix,
+                halted_unix=r.updated_unix if state == "halted" else 0.0,
             )
         )
     devices = tuple(
@@ -161,4 +170,5 @@ def report(r: Rollout) -> RolloutReport:
         already=sum(w.already for w in waves),
         failure_rate=tally(r.devices).rate,
         devices=devices,
+        skipped=r.skipped,
     )
