@@ -74,8 +74,12 @@ def edge_agent(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[
     )
 
 
+def conn_to(url: str, config: Path, store: Path) -> list[str]:
+    return ["--broker", url, "--config", str(config), "--rollouts-dir", str(store)]
+
+
 def conn(broker: Mosquitto, config: Path, store: Path) -> list[str]:
-    return ["--broker", broker.url, "--config", str(config), "--rollouts-dir", str(store)]
+    return conn_to(broker.url, config, store)
 
 
 def wait_for(what: str, done: Callable[[], bool], timeout_s: float = 60.0) -> None:
@@ -197,16 +201,29 @@ def test_an_operator_killed_mid_rollout_resumes_without_offering_twice(
     argv = ["fleet", "rollout", "start", str(bundle), "--target", "all", "--waves",
             "25%,50%,100%", "--soak", "2s", "--wave-timeout", "60s", "--id", "r-kill",
             *conn(broker, config, store)]  # fmt: skip
-    with sim(broker, models, tmp_path / "fleet", [SimDevice(d) for d in ids]) as fleet:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "agent", *argv], cwd=ROOT, env=env,
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def operator(*args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "agent", *args], cwd=ROOT, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
+
+    with sim(broker, models, tmp_path / "fleet", [SimDevice(d) for d in ids]) as fleet:
+        # Ctrl-C in wave 1: exit 130, the state kept as running
+        proc = operator(*argv)
         try:
-            wait_for("wave 2 offered", lambda: _state(store, "r-kill").get("wave", 0) >= 1 and any(
-                d["wave"] == 1 for d in _state(store, "r-kill")["devices"]))  # fmt: skip
-            time.sleep(0.3)
+            wait_for("wave 1 offered", lambda: sum(fleet.offers(d) for d in ids) == 3)
+        finally:
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130, err
+        assert "fleet rollout resume r-kill" in err and "Traceback" not in err
+        assert _state(store, "r-kill")["state"] == "running"
+        # resumed, then SIGKILLed in wave 2
+        proc = operator("fleet", "rollout", "resume", "r-kill", *conn(broker, config, store))
+        try:
+            wait_for("wave 2 offered", lambda: sum(fleet.offers(d) for d in ids) == 6)
             # the lock: a second operator on the same rollout is refused, naming the holder
             busy = edge_agent("fleet", "rollout", "resume", "r-kill", *conn(broker, config, store))
             assert busy.returncode == 1 and busy.stderr.count("\n") == 1, busy.stderr
@@ -227,6 +244,46 @@ def test_an_operator_killed_mid_rollout_resumes_without_offering_twice(
         assert [w["offered"] for w in rep["waves"]] == [3, 3, 6]
         for d in ids:
             assert fleet.offers(d) == 1 and fleet.version(d) == "1.1.0", d
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--waves", "10%,5%,100%"], "--waves"),
+        (["--waves", "10%,50%"], "the last wave must be 100%"),
+        (["--max-failure-rate", "5"], "--max-failure-rate"),
+        (["--wave-timeout", "soon"], "--wave-timeout"),
+        (["--id", "../x"], "rollout id"),
+        (["--min-devices", "0"], "--min-devices"),
+        (["--target", "group:"], "--target"),
+        (["--target", "all", "dev-1"], "--target"),
+    ],
+)
+def test_bad_flags_are_one_line_and_exit_2_before_anything_is_written(
+    flags: list[str], says: str, config: Path, tmp_path: Path, models: SimModels
+) -> None:
+    bundle = models.bundle(tmp_path / "u1.tar", version=1)
+    store = tmp_path / "rollouts"
+    argv = ["fleet", "rollout", "start", str(bundle), "--target", "all",
+            *conn_to("mqtt://127.0.0.1:9", config, store)]  # fmt: skip
+    if flags[0] == "--target":
+        argv[argv.index("--target") : argv.index("--target") + 2] = flags
+    else:
+        argv += flags
+    done = edge_agent(*argv)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert says in done.stderr and "Traceback" not in done.stderr
+    assert not store.exists() or not any(store.iterdir())
+
+
+def test_a_bundle_that_does_not_read_is_one_line_and_exit_2(config: Path, tmp_path: Path) -> None:
+    junk = tmp_path / "junk.tar"
+    junk.write_bytes(b"not a bundle")
+    store = tmp_path / "rollouts"
+    bad = edge_agent("fleet", "rollout", "start", str(junk), "--target", "all",
+                     *conn_to("mqtt://127.0.0.1:9", config, store))  # fmt: skip
+    assert bad.returncode == 2 and str(junk) in bad.stderr and bad.stderr.count("\n") == 1
+    assert "Traceback" not in bad.stderr and not store.exists()
 
 
 def test_pause_is_taken_by_the_running_process_and_a_late_device_joins_the_current_wave(

@@ -398,3 +398,17 @@ def test_a_crash_anywhere_between_the_write_and_the_offers_never_offers_twice(
             break
     assert len(sent) == len(set(sent))  # no device was ever sent the update twice
     assert set(sent) <= set(ids)
+
+
+def test_an_offer_known_not_to_have_left_is_taken_back_as_it_was() -> None:
+    ids = ["a", "b", "c"]
+    r = plan.create(spec(waves=(1.0,), max_failure_rate=1.0), T0)
+    before, _ = run(r, online(ids), {"b": "REJECTED"}, until=T0 + 1)
+    before = plan.retry_failed(before, T0 + 2)
+    before = plan.resume(before, T0 + 3)
+    after, offers = plan.step(before, online(ids), T0 + 4)
+    assert offers == ("b",) and after.device("b").attempt == 2  # type: ignore[union-attr]
+    back = plan.unoffer(after, "b", before.device("b"))
+    assert back.devices == before.devices
+    fresh, offers = plan.step(plan.create(spec(), T0), online(ids), T0)
+    assert offers and plan.unoffer(fresh, offers[0], None).device(offers[0]) is None

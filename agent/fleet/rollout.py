@@ -246,6 +246,9 @@ class _Driver:
         self.dirty = False
         self.last_retained = time.monotonic()
         self.link: _Link | None = None
+        # devices marked offered whose command has not been handed to the client yet, with
+        # what they were before: taken back if the process stops (Ctrl-C) before their send
+        self.unsent: dict[str, Device | None] = {}
 
     # ------------------------------------------------------------------ state
 
@@ -372,6 +375,8 @@ class _Driver:
                     link = again
         finally:
             link.close()
+            for device, previous in self.unsent.items():
+                self.r = plan.unoffer(self.r, device, previous)
             self.save()
         return report(self.r)
 
@@ -394,7 +399,10 @@ class _Driver:
             w = new.waves[new.wave]
             self.say(f"wave {new.wave + 1} ({w.fraction:.0%}): offering to {len(offers)} devices")
             deadline = time.monotonic() + CONNECT_TIMEOUT_S
+            previous = before.by_id()
+            self.unsent = {d: previous.get(d) for d in offers}
             for device in offers:
+                del self.unsent[device]  # from here on it may have left: never sent again
                 try:
                     self.offer.send(link, device, deadline)
                 except FleetError as exc:  # marked offered: it times out, never re-sent

@@ -262,6 +262,17 @@ def learn(r: Rollout, device_id: str, h: Heard, now: float) -> Rollout:
     return _with(r, new, now) if new != d else r
 
 
+def unoffer(r: Rollout, device_id: str, previous: Device | None) -> Rollout:
+    """Take back an offer that is known never to have left (the process stopped before its
+    send): the device is as it was before the step that chose it."""
+    devices = tuple(
+        x if x.device_id != device_id else previous
+        for x in r.devices
+        if x.device_id != device_id or previous is not None
+    )
+    return dataclasses.replace(r, devices=tuple(d for d in devices if d is not None))
+
+
 def _with(r: Rollout, d: Device, now: float) -> Rollout:
     devices = tuple(d if x.device_id == d.device_id else x for x in r.devices)
     return dataclasses.replace(r, devices=devices, updated_unix=now)
