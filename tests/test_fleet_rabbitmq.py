@@ -1,12 +1,12 @@
 """The fleet link against a second, independent broker: RabbitMQ's MQTT plugin (Debian's
 rabbitmq-server, MQTT 3.1.1), with the real daemon on the tiny model and the real operator
 commands. Presence (birth, Will, offline), health, commands with the route inside the Command,
-a persistent session holding a command while the device is away, and an update whose payload
-comes in blocks over MQTT (docs/FLEET.md, "Brokers").
+a persistent session holding a command while the device is away, an update whose payload comes
+in blocks over MQTT, and JSON payloads (docs/FLEET.md, "Brokers").
 
 RabbitMQ 3.10 sends retained messages only to subscriptions without wildcards: the observers
-that check a retained copy subscribe to the exact topic; `test_no_retained_copies_for_wildcards`
-pins that difference, which docs/FLEET.md describes for `fleet watch`.
+that check a retained copy subscribe to the exact topic. `test_what_rabbitmq_does_differently`
+pins that and the other difference that docs/FLEET.md describes (a `.` in a topic is a level).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ FLEET = (
     "max_command_bytes = 2048\n"
 )
 State = fpb.DeviceState
-Phase = fpb.UpdateStatus
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +163,9 @@ def test_birth_retained_health_and_offline_on_rabbitmq(
         assert d.stop() == 0, d.read_log()
     offline = State.FromString(watch.state(device, State.OFFLINE, since=n).payload)
     assert offline.session == birth.session
+    time.sleep(1)  # a clean disconnect: no Will after it
+    states = [State.FromString(s.payload).state for s in watch.seen[n:] if s.topic == topics.state]
+    assert states == [State.OFFLINE]
     assert State.FromString(retained(rabbit, topics.state).payload).state == State.OFFLINE
     watch.close()
 
