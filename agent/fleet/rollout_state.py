@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from agent.config import DEVICE_ID_RE
+from agent.config import DEVICE_ID_RE, GROUP_RE
 from agent.errors import AgentError
 
 FORMAT: Final = 1
@@ -62,9 +62,10 @@ class Target:
             return cls("all")
         if len(values) == 1 and values[0].startswith("group:"):
             group = values[0].removeprefix("group:")
-            if not group or not DEVICE_ID_RE.fullmatch(group):
+            if not GROUP_RE.fullmatch(group):
                 raise RolloutError(
-                    f"--target {values[0]!r}: a group name is 1-128 of A-Z a-z 0-9 _ . : -"
+                    f"--target {values[0]!r}: a group name is 1-64 of A-Z a-z 0-9 _ . : - "
+                    "(starting with a letter or digit), as [fleet] group"
                 )
             return cls("group", group=group)
         if not values:
