@@ -18,10 +18,11 @@ from pathlib import Path
 from agent.errors import ConfigError
 from agent.fleetconfig import BROKER_FORMAT as BROKER_FORMAT
 from agent.fleetconfig import DEVICE_ID_RE as DEVICE_ID_RE
-from agent.fleetconfig import FLEET, FleetConfig, parse_fleet
+from agent.fleetconfig import FLEET, parse_fleet
 from agent.fleetconfig import GROUP_RE as GROUP_RE
 from agent.fleetconfig import MQTT_PROTOCOLS as MQTT_PROTOCOLS
 from agent.fleetconfig import Broker as Broker
+from agent.fleetconfig import FleetConfig as FleetConfig
 from agent.fleetconfig import parse_broker as parse_broker
 from agent.tomltable import Table
 
