@@ -706,12 +706,24 @@ def test_a_protobuf_agent_with_a_json_operator_every_topic_and_the_doc_examples(
             outputs = run_doc_examples(broker, "dev-p", op, update_bundle, codec.PROTOBUF)
             check_example_outputs(outputs, "dev-p", codec.PROTOBUF, update_models, update_bundle)
             check_properties(rec, codec.PROTOBUF, codec.JSON)
+            assert d.client().info()["version"] == "1.1.0"
+            # the Last Will, set before connecting, carries the properties too
+            d.proc.kill()
+            lost = fpb.DeviceState.LOST
+            will = rec.wait(
+                lambda g: (
+                    g.topic.endswith("/state")
+                    and codec.decode(fpb.DeviceState, g.payload).state == lost
+                )
+            )
+            ct = codec.content_type("edge_agent.fleet.v1.DeviceState", codec.PROTOBUF)
+            assert (will.content_type, will.indicator, will.user_content_type) == (ct, 0, ct)
+            assert codec.decode(fpb.DeviceState, will.payload).state == fpb.DeviceState.LOST
         finally:
             rec.close()
-        assert d.client().info()["version"] == "1.1.0"
     finally:
         if d is not None:
-            assert d.stop() == 0, d.read_log()
+            d.stop()
         broker.stop()
 
 
@@ -758,9 +770,14 @@ def test_mqtt_311_a_json_agent_and_a_protobuf_operator_read_each_other(
                 assert codec.sniff(g.payload) == want, (key, g.payload[:40])
         assert d.read_log().count("without a response topic") >= 2
         assert d.client().health() == "SERVING"
+        # the Will in JSON, sniffed (3.1.1: no properties)
+        d.proc.kill()
+        lost = b'"state":"LOST"'
+        will = rec.wait(lambda g: g.topic.endswith("/dev-q/state") and lost in g.payload)
+        assert codec.decode(fpb.DeviceState, will.payload).state == fpb.DeviceState.LOST
     finally:
         if rec is not None:
             rec.close()
         if d is not None:
-            assert d.stop() == 0, d.read_log()
+            d.stop()
         broker.stop()
