@@ -53,14 +53,25 @@ def config(tmp_path: Path) -> Path:
     return path
 
 
-def sim(broker: Mosquitto, models: SimModels, root: Path, devices: list[SimDevice]) -> FleetSim:
+def sim(
+    broker: Mosquitto,
+    models: SimModels,
+    root: Path,
+    devices: list[SimDevice],
+    protocol: str = "5",
+) -> FleetSim:
     return FleetSim(
-        broker.url, root, devices, trusted_keys_dir=models.trusted, shipped=models.shipped
+        broker.url,
+        root,
+        devices,
+        trusted_keys_dir=models.trusted,
+        shipped=models.shipped,
+        protocol=protocol,
     )
 
 
-def opts(broker: Mosquitto) -> MqttOptions:
-    return MqttOptions(broker=parse_broker("test", "broker", broker.url))
+def opts(broker: Mosquitto, protocol: str = "5") -> MqttOptions:
+    return MqttOptions(broker=parse_broker("test", "broker", broker.url), protocol=protocol)
 
 
 def edge_agent(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -327,3 +338,55 @@ def test_pause_is_taken_by_the_running_process_and_a_late_device_joins_the_curre
         assert rep.state == State.COMPLETED.value
         assert [w.offered for w in rep.waves] == [6, 5]
         assert all(fleet.offers(d) == 1 for d in [*ids, late])
+
+
+def test_a_rollout_over_mqtt_3_1_1(broker: Mosquitto, models: SimModels, tmp_path: Path) -> None:
+    """No response topic, no correlation property: the Command carries them, the devices
+    answer on the rollout's one wildcard subscription; blocks and reports as on MQTT 5."""
+    ids = [f"v311-{i}" for i in range(6)]
+    bundle = models.bundle(tmp_path / "u1.tar", version=1)
+    store = tmp_path / "rollouts"
+    create_rollout(
+        store, bundle, Target.parse(ids), (0.5, 1.0), prefix="fleet/v1", soak_s=0.0,
+        wave_timeout_s=60, rollout_id="r-311",
+    )  # fmt: skip
+    devices = [SimDevice(d) for d in ids]
+    with sim(broker, models, tmp_path / "fleet", devices, protocol="3.1.1") as fleet:
+        rep = run_rollout(opts(broker, "3.1.1"), store, "r-311")
+        assert rep.state == "completed" and [w.committed for w in rep.waves] == [3, 3]
+        assert all(fleet.offers(d) == 1 and fleet.version(d) == "1.1.0" for d in ids)
+
+
+def test_pause_abort_resume_and_status_without_a_running_process(
+    models: SimModels, config: Path, tmp_path: Path
+) -> None:
+    bundle = models.bundle(tmp_path / "u1.tar", version=1)
+    store = tmp_path / "rollouts"
+    create_rollout(store, bundle, Target("all"), (1.0,), prefix="fleet/v1", rollout_id="r-ops")
+    d = ["--rollouts-dir", str(store)]
+    paused = edge_agent("fleet", "rollout", "pause", "r-ops", "--json", *d)
+    assert paused.returncode == 0, paused.stderr
+    assert json.loads(paused.stdout) == {
+        "rollout_id": "r-ops", "request": "pause", "left_for_running_process": False,
+        "state": "paused", "reason": "paused by an operator",
+    }  # fmt: skip
+    assert _state(store, "r-ops")["state"] == "paused"
+    listed = edge_agent("fleet", "rollout", "status", "--json", *d)
+    assert json.loads(listed.stdout) == [
+        {"rollout_id": "r-ops", "state": "paused", "update_id": _state(store, "r-ops")["spec"][
+            "update_id"], "target": "all", "running": False}
+    ]  # fmt: skip
+    retry = edge_agent("fleet", "rollout", "retry-failed", "r-ops", *d)
+    assert retry.returncode == 2 and "has no failed devices" in retry.stderr
+    aborted = edge_agent("fleet", "rollout", "abort", "r-ops", *d)
+    assert aborted.returncode == 0 and "aborted" in aborted.stdout
+    for argv in (
+        ["resume", "r-ops", *conn_to("mqtt://127.0.0.1:9", config, store)],
+        ["pause", "r-ops", *d],
+        ["retry-failed", "r-ops", *d],
+        ["status", "nope", *d],
+    ):
+        done = edge_agent("fleet", "rollout", *argv)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, (argv, done.stderr)
+        assert "Traceback" not in done.stderr
+    assert _state(store, "r-ops")["state"] == "aborted"  # fmt: skip

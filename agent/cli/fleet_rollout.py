@@ -186,7 +186,13 @@ def cmd_rollout_request(args: argparse.Namespace) -> int:
         r = request(rollouts_dir(args), args.rollout_id, what)
     except (RolloutError, OSError) as exc:
         return _fail(str(exc))
-    if r is None:
+    if args.json:
+        doc = {"rollout_id": args.rollout_id, "request": args.rollout_command,
+               "left_for_running_process": r is None,
+               "state": None if r is None else r.state.value,
+               "reason": None if r is None else r.reason}  # fmt: skip
+        print(json.dumps(doc))
+    elif r is None:
         print(
             f"rollout {args.rollout_id}: {args.rollout_command} left for the process running it "
             "(it takes it within a second)"
