@@ -251,6 +251,53 @@ def scratch_root(fallback: Path) -> Iterator[Path]:
         yield fallback
 
 
+class _PollSelect:
+    """`select.select`'s interface over poll(2). paho's `loop()` waits with select(), which
+    cannot watch a descriptor above 1023 (FD_SETSIZE): it returns "connection lost" for every
+    client past ~330 in one process (each holds 3 descriptors: its socket and a socketpair).
+    A device runs one client per process and never gets near; the simulator, with a thousand
+    in one process, gives paho this instead (`use_poll_in_paho`): same results, no limit."""
+
+    error = OSError
+
+    @staticmethod
+    def select(
+        rlist: Sequence[Any], wlist: Sequence[Any], xlist: Sequence[Any], timeout: float | None
+    ) -> tuple[list[Any], list[Any], list[Any]]:
+        import select
+
+        poll = select.poll()
+        mask: dict[int, int] = {}
+        objs: dict[int, Any] = {}
+        for flag, items in ((select.POLLIN | select.POLLPRI, rlist), (select.POLLOUT, wlist)):
+            for obj in items:
+                fd = obj if isinstance(obj, int) else obj.fileno()
+                if fd < 0:
+                    raise ValueError("file descriptor cannot be a negative integer")
+                mask[fd] = mask.get(fd, 0) | flag
+                objs[fd] = obj
+        for fd, m in mask.items():
+            poll.register(fd, m)
+        ready = dict(poll.poll(None if timeout is None else timeout * 1000.0))
+        gone = select.POLLHUP | select.POLLERR | select.POLLNVAL
+        readable = [
+            o for o in rlist if ready.get(_fd(o), 0) & (select.POLLIN | select.POLLPRI | gone)
+        ]
+        writable = [o for o in wlist if ready.get(_fd(o), 0) & (select.POLLOUT | gone)]
+        return readable, writable, []
+
+
+def _fd(obj: Any) -> int:
+    return obj if isinstance(obj, int) else int(obj.fileno())
+
+
+def use_poll_in_paho() -> None:
+    """Make paho's network loop wait with poll(2) (`_PollSelect`), in this process."""
+    import paho.mqtt.client as paho_client
+
+    paho_client.select = _PollSelect  # type: ignore[attr-defined,assignment]
+
+
 # ----------------------------------------------------------------------------- the stub engine
 
 
@@ -541,6 +588,7 @@ class FleetSim:
             max_download_attempts=max_download_attempts,
         )
         self.nofile = raise_nofile(4 * len(devices) + 256)  # socket + paho's socketpair each
+        use_poll_in_paho()
         root.mkdir(parents=True, exist_ok=True)
         self._untrusted = untrusted_keys_dir(root / "untrusted-keys")
         self._sys_root = root / "sys"  # no thermal zones: nothing to read per tick
