@@ -7,7 +7,8 @@ is a stub) on a real mosquitto, and `edge-agent fleet rollout` as a real operato
 * with 10% of the devices failing (reject, rollback, stall, offline) it halts at the first wave
   over the threshold, and no device beyond that wave is offered;
 * the operator process SIGKILLed mid-rollout and started again resumes, and no device is offered
-  twice.
+  twice;
+* and, on six devices over HTTP, that each simulated failure happens as the simulator documents.
 
 The small cases of the same rules are in tests/test_rollout.py; the timings and the resources
 they take are measured by scripts/bench_fleet.py (docs/PERFORMANCE.md), never asserted here.
@@ -264,3 +265,73 @@ def test_an_operator_killed_mid_rollout_resumes_and_offers_no_device_twice(
             assert sim.phase(d) == "committed" and sim.version(d) == "1.1.0", d
         order = plan.ordered(rid, ids)
         assert offered == set(order[:500])  # those the killed process had offered
+
+
+def test_each_simulated_failure_happens_as_documented_over_http(
+    broker: Mosquitto, models: SimModels, root: Path, tmp_path: Path
+) -> None:
+    """The simulator's own promises (tests/fleetsim.py), on the HTTP transport the scale tests
+    do not use: each behaviour ends as documented, a signed cancel ends a stalled download, an
+    `offline` device never answers and its Will is on the broker, and a device that loses power
+    after its update resumes from its record when it comes back."""
+    from agent.config import parse_broker
+    from agent.fleet.mqtt import MqttOptions
+    from agent.fleet.operator import send
+    from agent.fleet.operator_link import FleetError
+    from agent.ota.bundle import read_bundle
+    from agent.ota.cancel import sign_cancel
+    from tests.httpserver import PayloadServer, Served
+
+    served = Served(tmp_path / "payload.bin")
+    http = PayloadServer(served)
+    bundle = models.bundle(tmp_path / "u1.tar", version=1, payload_url=http.url)
+    signed, payload = read_bundle(bundle)
+    payload.extract(served.path)
+    opts = MqttOptions(broker=parse_broker("test", "broker", broker.url))
+    devices = [SimDevice(f"b-{b}", behaviour=b) for b in ("ok", "reject", "rollback", "stall",
+                                                           "offline", "fail")]  # fmt: skip
+    try:
+        with fleet(broker, models, root, devices) as sim:
+            codes = {}
+            for d in devices:
+                try:
+                    resp = send(opts, "fleet/v1", d.device_id, "update", {},
+                                signed.SerializeToString(), 5.0)  # fmt: skip
+                    codes[d.behaviour] = resp.update.reason_code or resp.code
+                except FleetError:  # no answer
+                    codes[d.behaviour] = "no answer"
+            assert codes["reject"] == "unknown_key" and codes["offline"] == "no answer"
+            final = {"ok": "committed", "rollback": "rolled_back", "fail": "rejected"}
+            wait_for(
+                "final phases", lambda: all(sim.phase(f"b-{b}") == p for b, p in final.items())
+            )
+            status = sim.last_status("b-fail")
+            assert status is not None and status.reason_code == "payload_hash"
+            assert sim.phase("b-stall") == "downloading"
+            assert not sim.online("b-offline") and sim.phase("b-offline") == ""
+            assert [sim.version(f"b-{b}") for b in ("ok", "rollback", "fail")] == [
+                "1.1.0",
+                "1.0.0",
+                "1.0.0",
+            ]
+            # the stalled transfer ends with an operator's signed cancel
+            update_id = read_offer_id(bundle)
+            cancel = sign_cancel(update_id, [models.key], reason="stalled")
+            resp = send(opts, "fleet/v1", "b-stall", "cancel", {}, cancel.SerializeToString(), 10)
+            assert resp.update.reason_code == "cancelled", resp
+            assert sim.phase("b-stall") == "rejected"
+            # a power cut after the commit, and back: the store's pointer still says 1.1.0
+            sim.go_offline("b-ok")
+            sim.come_online("b-ok")
+            assert sim.online("b-ok") and sim.version("b-ok") == "1.1.0"
+            sim.come_online("b-offline")  # back, and nothing was installed meanwhile
+            assert sim.online("b-offline") and sim.version("b-offline") == "1.0.0"
+            assert all(sim.offers(d.device_id) == 1 for d in devices)
+    finally:
+        http.close()
+
+
+def read_offer_id(bundle: Path) -> str:
+    from agent.fleet.publish import read_offer
+
+    return read_offer(bundle)[1].update_id
