@@ -371,7 +371,11 @@ class _Driver:
                 if self.r.state != State.RUNNING:
                     break
                 try:
-                    link.pump(TICK_S)
+                    # a pump returns after each packet: the rules run every TICK_S, not per
+                    # message (165 times a second in a 1,000-device rollout before)
+                    until = time.monotonic() + TICK_S
+                    while (left := until - time.monotonic()) > 0:
+                        link.pump(left)
                 except FleetError as exc:
                     link.close()
                     again = self.reconnect(str(exc), stop)
