@@ -221,7 +221,8 @@ def test_an_operator_killed_mid_rollout_resumes_without_offering_twice(
         )  # fmt: skip
 
     with sim(broker, models, tmp_path / "fleet", [SimDevice(d) for d in ids]) as fleet:
-        # the lock, then Ctrl-C: exit 130, the state kept as running
+        # the lock, then SIGTERM (what kill and a CI job's timeout send; Ctrl-C takes the
+        # same KeyboardInterrupt path): exit 130, the state kept as running
         proc = operator(*argv)
         try:
             wait_for("wave 1 offered", lambda: sum(fleet.offers(d) for d in ids) >= 3)
@@ -233,7 +234,7 @@ def test_an_operator_killed_mid_rollout_resumes_without_offering_twice(
                                 "--rollouts-dir", str(store))  # fmt: skip
             assert json.loads(status.stdout)["running"] is True
         finally:
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=30)
         assert proc.returncode == 130, err
         assert "fleet rollout resume r-kill" in err and "Traceback" not in err

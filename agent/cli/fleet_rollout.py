@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Final
@@ -62,6 +63,10 @@ def _exit_for(state: str) -> int:
     return 0 if state == "completed" else EXIT_FAILED
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _run(args: argparse.Namespace, rollout_id: str, *, resume: bool) -> int:
     from agent.fleet.operator_link import FleetError
     from agent.fleet.rollout import run_rollout
@@ -74,6 +79,9 @@ def _run(args: argparse.Namespace, rollout_id: str, *, resume: bool) -> int:
     except (_Usage, AgentError) as exc:
         return _fail(str(exc))
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else None
+    # SIGTERM (kill, a CI job's timeout, systemd) ends the run as Ctrl-C does: offers that
+    # never left are taken back and the state is saved for `resume`
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         report = run_rollout(
             opts,
