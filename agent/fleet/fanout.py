@@ -21,11 +21,10 @@ from typing import Final
 
 import paho.mqtt.client as mqtt
 
-from agent.fleet.codec import PayloadError
 from agent.fleet.digest import Presence
 from agent.fleet.inventory import InventoryRow
-from agent.fleet.mqtt import MqttOptions, decode_message, outgoing
-from agent.fleet.operator_link import _PUMP_S, FleetError, _client_id, _Link
+from agent.fleet.mqtt import MqttOptions, outgoing
+from agent.fleet.operator_link import _PUMP_S, FleetError, _client_id, _Link, read_answer
 from agent.fleet.topics import COMMAND_RE, Topics, parse
 from agent.fleet.view import age
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
@@ -100,19 +99,8 @@ def send_many(
             return
         if p.device not in waiting:
             return
-        correlation, _ = waiting[p.device]
-        if opts.v5:
-            corr = getattr(msg.properties, "CorrelationData", None)
-            if corr is None or bytes(corr) != correlation:
-                log.info("ignoring a response on %s with other correlation data", msg.topic)
-                return
-        try:
-            resp = decode_message(pb.CommandResponse, msg)
-        except PayloadError as exc:
-            log.warning("ignoring a malformed response on %s: %s", msg.topic, exc)
-            return
-        if resp.command and resp.command != command:
-            log.info("ignoring a response to %r on %s", resp.command, msg.topic)
+        resp = read_answer(opts, msg, waiting[p.device][0], command)
+        if resp is None:
             return
         del waiting[p.device]
         ok = resp.code == pb.CommandResponse.OK

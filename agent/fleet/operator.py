@@ -22,7 +22,14 @@ import paho.mqtt.client as mqtt
 from agent.fleet.codec import PayloadError
 from agent.fleet.digest import Presence
 from agent.fleet.mqtt import MqttOptions, decode_message, outgoing, payload_content, payload_type
-from agent.fleet.operator_link import _PUMP_S, FleetError, _client_id, _Link, _Timeout
+from agent.fleet.operator_link import (
+    _PUMP_S,
+    FleetError,
+    _client_id,
+    _Link,
+    _Timeout,
+    read_answer,
+)
 from agent.fleet.render import render
 from agent.fleet.topics import COMMAND_RE, Topics, check_device_id
 from agent.fleet.view import DEFAULT_STALE_AFTER_S, FleetView, age
@@ -259,20 +266,9 @@ def send(
             return
         if msg.topic != reply_topic or msg.retain:
             return
-        if opts.v5:
-            corr = getattr(msg.properties, "CorrelationData", None)
-            if corr is None or bytes(corr) != correlation:
-                log.info("ignoring a response on %s with other correlation data", msg.topic)
-                return
-        try:
-            resp = decode_message(pb.CommandResponse, msg)
-        except PayloadError as exc:
-            log.warning("ignoring a malformed response on %s: %s", msg.topic, exc)
-            return
-        if resp.command and resp.command != command:
-            log.info("ignoring a response to %r on %s", resp.command, msg.topic)
-            return
-        answers.append(resp)
+        resp = read_answer(opts, msg, correlation, command)
+        if resp is not None:
+            answers.append(resp)
 
     deadline = time.monotonic() + timeout_s
     link = _Link(opts, _client_id(requester), on_message)

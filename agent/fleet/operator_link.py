@@ -18,7 +18,9 @@ from paho.mqtt.enums import MQTTErrorCode
 from paho.mqtt.reasoncodes import ReasonCode
 
 from agent.errors import AgentError
-from agent.fleet.mqtt import MqttOptions, new_client
+from agent.fleet.codec import PayloadError
+from agent.fleet.mqtt import MqttOptions, decode_message, new_client
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,27 @@ class FleetError(AgentError):
 
 class _Timeout(FleetError):
     pass
+
+
+def read_answer(
+    opts: MqttOptions, msg: mqtt.MQTTMessage, correlation: bytes, command: str
+) -> pb.CommandResponse | None:
+    """The `CommandResponse` in `msg` if it answers our `command` (MQTT 5: with our
+    `correlation` data), else None with a log line saying why it was ignored."""
+    if opts.v5:
+        corr = getattr(msg.properties, "CorrelationData", None)
+        if corr is None or bytes(corr) != correlation:
+            log.info("ignoring a response on %s with other correlation data", msg.topic)
+            return None
+    try:
+        resp = decode_message(pb.CommandResponse, msg)
+    except PayloadError as exc:
+        log.warning("ignoring a malformed response on %s: %s", msg.topic, exc)
+        return None
+    if resp.command and resp.command != command:
+        log.info("ignoring a response to %r on %s", resp.command, msg.topic)
+        return None
+    return resp
 
 
 def _tls_reason(exc: ssl.SSLError) -> str:

@@ -26,7 +26,7 @@ from agent.fleet.codec import PayloadError
 from agent.fleet.digest import Presence
 from agent.fleet.mqtt import MqttOptions, decode_message, outgoing
 from agent.fleet.operator import watch
-from agent.fleet.operator_link import _client_id, _Link
+from agent.fleet.operator_link import _client_id, _Link, read_answer
 from agent.fleet.topics import Topics, parse
 from agent.ota.bundle import BundleError, Payload, read_bundle
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
@@ -169,17 +169,8 @@ class Offer:
         waiting = self._waiting.get(device)
         if waiting is None:
             return
-        if self.opts.v5:
-            corr = getattr(msg.properties, "CorrelationData", None)
-            if corr is None or bytes(corr) != waiting[0]:
-                log.info("ignoring an answer from %s with other correlation data", device)
-                return
-        try:
-            resp = decode_message(fpb.CommandResponse, msg)
-        except PayloadError:
-            log.warning("ignoring a malformed answer from %s", device)
-            return
-        if resp.command and resp.command != "update":
+        resp = read_answer(self.opts, msg, waiting[0], "update")
+        if resp is None:
             return
         del self._waiting[device]
         if resp.HasField("update"):
