@@ -174,3 +174,25 @@ def test_session_table() -> None:
         "a1  bound      42    42  5 s ago",
         "b2  disk     1000  1024  2 h ago",
     ]
+
+
+def test_every_command_s_help_renders() -> None:
+    """argparse formats help strings with %: a bare `5%` in one made `fleet rollout start
+    --help` a traceback. Every (sub)command's help is rendered here, and one for real."""
+    import argparse
+
+    from agent.cli import build_parser
+
+    def walk(parser: argparse.ArgumentParser, path: tuple[str, ...]) -> list[tuple[str, ...]]:
+        assert parser.format_help(), path
+        found = [path]
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    found += walk(sub, (*path, name))
+        return found
+
+    paths = walk(build_parser(), ())
+    assert ("fleet", "rollout", "start") in paths and len(paths) > 30
+    out = cli("fleet", "rollout", "start", "--help")
+    assert out.returncode == 0 and "100%" in out.stdout, out.stderr

@@ -240,7 +240,7 @@ def add_rollout_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     p.add_argument(
         "--waves",
         default=DEFAULT_WAVES,
-        help=f"cumulative shares of the target, ending at 100%% (default: {DEFAULT_WAVES})",
+        help="cumulative shares of the target, ending at 100%% (default: %(default)s)",
     )
     p.add_argument(
         "--min-devices",
