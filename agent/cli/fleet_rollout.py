@@ -171,6 +171,8 @@ def cmd_rollout_status(args: argparse.Namespace) -> int:
                 busy = " (a process runs it)" if row["running"] else ""
                 print(f"{row['rollout_id']}  {row['state']}{busy}  update {row['update_id']}"
                       f"  target {row['target']}")  # fmt: skip
+            if not rows and not args.json:
+                print(f"no rollouts in {store.directory}", file=sys.stderr)
             return 0
         rep = report(store.load(args.rollout_id))
         running = store.locked(args.rollout_id)
