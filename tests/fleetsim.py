@@ -29,6 +29,10 @@ Behaviours (failure injection, per device):
 * ``reject``: refuses it at the offer: the device trusts another key (code `unknown_key`).
 * ``rollback``: its trial's health check fails (the engine "stops answering", as in a crash
   loop): rolled back to the model it served before.
+* ``crashloop``: the process crashes in its trial and is restarted (as systemd would), again
+  and again: the connection drops without a DISCONNECT (the Will), the device boots from its
+  record, and the updater's own crash-loop rule rolls back at the `max_trial_restarts`-th
+  start.
 * ``stall``: the download never progresses: its block requests go unanswered (MQTT), or the
   transfer hangs (a payload URL), until the updater gives up (`max_download_attempts`, code
   `payload`) or the update is cancelled.
@@ -89,7 +93,8 @@ from agent.status import AgentStatus
 
 log = logging.getLogger(__name__)
 
-BEHAVIOURS: Final = ("ok", "reject", "rollback", "stall", "offline", "fail")
+BEHAVIOURS: Final = ("ok", "reject", "rollback", "crashloop", "stall", "offline", "fail")
+RESTART_S: Final = 0.2  # a crashed device's restart delay (systemd's RestartSec, shortened)
 PREFIX: Final = "fleet/v1"
 PROFILE: Final = "sim"
 MIB: Final = 1 << 20
@@ -461,6 +466,12 @@ class SimEngine:
         self._name = load_model_dir(Path(ref.model_dir)).name
 
     async def check_serving(self, canary: opb.Canary | None) -> str | None:
+        if self._rt.spec.behaviour == "crashloop" and self.serving != self._updater.shipped:
+            log.info("fleetsim: %s crashes in its trial", self._rt.spec.device_id)
+            hang: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._rt.hung.append(hang)
+            self._sim._crash_soon(self._rt)
+            await hang  # the process is gone: its power cut cancels this
         if self._rt.spec.behaviour == "rollback" and self.serving != self._updater.shipped:
             return "the engine thread has not answered for 12.0 s (simulated crash loop)"
         return None
@@ -792,6 +803,17 @@ class FleetSim:
         return self._observer.states.get(rt.spec.device_id)
 
     # ------------------------------------------------------------------ going away
+
+    def _crash_soon(self, rt: _Runtime) -> None:
+        """From the event loop: the process dies and is started again, from a worker thread."""
+        self._loop.run_in_executor(None, self._crash_and_restart, rt)
+
+    def _crash_and_restart(self, rt: _Runtime) -> None:
+        self._power_cut(rt)
+        rt.hung.clear()
+        if self._stopping.wait(RESTART_S):
+            return
+        self._call(self._boot(rt), time.monotonic() + 30)
 
     def _power_cut_soon(self, rt: _Runtime) -> None:
         """From the event loop: cut the device's power from a worker thread."""

@@ -288,8 +288,8 @@ def test_each_simulated_failure_happens_as_documented_over_http(
     signed, payload = read_bundle(bundle)
     payload.extract(served.path)
     opts = MqttOptions(broker=parse_broker("test", "broker", broker.url))
-    devices = [SimDevice(f"b-{b}", behaviour=b) for b in ("ok", "reject", "rollback", "stall",
-                                                           "offline", "fail")]  # fmt: skip
+    kinds = ("ok", "reject", "rollback", "stall", "offline", "fail", "crashloop")
+    devices = [SimDevice(f"b-{b}", behaviour=b) for b in kinds]
     try:
         with fleet(broker, models, root, devices) as sim:
             codes = {}
@@ -301,12 +301,20 @@ def test_each_simulated_failure_happens_as_documented_over_http(
                 except FleetError:  # no answer
                     codes[d.behaviour] = "no answer"
             assert codes["reject"] == "unknown_key" and codes["offline"] == "no answer"
-            final = {"ok": "committed", "rollback": "rolled_back", "fail": "rejected"}
+            final = {
+                "ok": "committed",
+                "rollback": "rolled_back",
+                "fail": "rejected",
+                "crashloop": "rolled_back",
+            }
             wait_for(
                 "final phases", lambda: all(sim.phase(f"b-{b}") == p for b, p in final.items())
             )
             status = sim.last_status("b-fail")
             assert status is not None and status.reason_code == "payload_hash"
+            status = sim.last_status("b-crashloop")  # by the updater's rule, at the 3rd start
+            assert status is not None and "3 restarts during the trial" in status.message
+            assert sim.online("b-crashloop") and sim.version("b-crashloop") == "1.0.0"
             assert sim.phase("b-stall") == "downloading"
             assert not sim.online("b-offline") and sim.phase("b-offline") == ""
             assert [sim.version(f"b-{b}") for b in ("ok", "rollback", "fail")] == [
