@@ -55,3 +55,11 @@ def make_profile(dev_profile_data: dict[str, Any], tmp_path: Path) -> ProfileMak
 @pytest.fixture
 def dev_profile(make_profile: ProfileMaker) -> DeviceProfile:
     return make_profile()
+
+
+@pytest.fixture
+def empty_config(tmp_path: Path) -> str:
+    """An agent config file with nothing in it (the fleet commands' `--config`)."""
+    path = tmp_path / "agent.toml"
+    path.write_text("")
+    return str(path)

@@ -17,6 +17,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from agent.config import parse_broker
+from agent.fleet import codec
 from agent.fleet.link import Backoff
 from agent.fleet.mqtt import MqttOptions, payload_type
 from agent.fleet.operator import send
@@ -257,14 +258,22 @@ def test_commands_and_bad_commands(tiny_model_dir, tmp_path, broker) -> None:
         watch.close()
 
 
-def raw_request(broker: Mosquitto, device: str, name: str, payload: bytes) -> fpb.CommandResponse:
-    """Publish `payload` as a command (MQTT 5 response topic + correlation) and wait."""
+def raw_request(
+    broker: Mosquitto, device: str, name: str, payload: bytes, content: str | None = None
+) -> fpb.CommandResponse:
+    """Publish `payload` as a command (MQTT 5 response topic + correlation, and `content` as
+    its Content-Type if given) and wait for the answer, in whichever encoding it comes."""
     topics = Topics(PREFIX, device)
     got: list[fpb.CommandResponse] = []
     ready = threading.Event()
     c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="raw-req", protocol=mqtt.MQTTv5)
     c.on_subscribe = lambda *_: ready.set()
-    c.on_message = lambda _c, _u, m: got.append(fpb.CommandResponse.FromString(m.payload))
+
+    def on_message(_c, _u, m: mqtt.MQTTMessage) -> None:  # type: ignore[no-untyped-def]
+        ct = codec.parse_content_type(getattr(m.properties, "ContentType", ""))
+        got.append(codec.decode(fpb.CommandResponse, bytes(m.payload), ct))
+
+    c.on_message = on_message
     c.connect("127.0.0.1", broker.port)
     c.loop_start()
     try:
@@ -273,6 +282,8 @@ def raw_request(broker: Mosquitto, device: str, name: str, payload: bytes) -> fp
         props = Properties(PacketTypes.PUBLISH)
         props.ResponseTopic = topics.response("raw-req")
         props.CorrelationData = b"corr-1"
+        if content is not None:
+            props.ContentType = content
         c.publish(topics.command(name), payload, qos=1, properties=props)
         deadline = time.monotonic() + 10
         while not got and time.monotonic() < deadline:

@@ -4,7 +4,6 @@ and `fleet inventory` read what they really announce."""
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
 import json
@@ -24,9 +23,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from agent import __version__
-from agent.cli.fleet import add_fleet_parser
 from agent.config import parse_broker
-from agent.errors import AgentError
 from agent.fleet.digest import Presence
 from agent.fleet.fanout import MAX_IN_FLIGHT, Outcome, send_many
 from agent.fleet.inventory import InventoryRow, inventory, split_model
@@ -38,6 +35,7 @@ from agent.fleet.view import FleetView
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
 from tests.broker import Mosquitto, free_port
 from tests.daemon_harness import Daemon
+from tests.test_fleet_operator import cli
 
 PREFIX = "fleet/v1"
 State = pb.DeviceState
@@ -167,25 +165,6 @@ def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
                 f.result().stop()
         retained.close()
         broker.stop()
-
-
-def cli(argv: list[str]) -> int:
-    """Dispatch like agent.cli.main: `func` from set_defaults, AgentError -> exit 2."""
-    parser = argparse.ArgumentParser(prog="edge-agent")
-    add_fleet_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        rc: int = args.func(args)
-        return rc
-    except AgentError:
-        return 2
-
-
-@pytest.fixture
-def empty_config(tmp_path: Path) -> str:
-    path = tmp_path / "agent.toml"
-    path.write_text("")
-    return str(path)
 
 
 # ----------------------------------------------------------------------------- device side

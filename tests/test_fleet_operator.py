@@ -250,13 +250,6 @@ def cli(argv: list[str]) -> int:
         return 2
 
 
-@pytest.fixture
-def empty_config(tmp_path: Path) -> str:
-    path = tmp_path / "agent.toml"
-    path.write_text("")
-    return str(path)
-
-
 # ----------------------------------------------------------------------------- watch
 
 

@@ -34,8 +34,8 @@ from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from tests.broker import Mosquitto
 from tests.daemon_harness import Daemon
-from tests.test_bundle import _write_meta as write_meta
-from tests.test_updates import TRUSTED, Models, _copy_variant, _fine_tune, bundle
+from tests.test_fleet import raw_request
+from tests.test_updates import TRUSTED, Models, bundle, make_models
 
 PREFIX = "fleet/v1"
 DOC_DEVICE = "dev-7"  # the device the doc's examples name
@@ -341,13 +341,7 @@ def operator_config(tmp: Path, broker: Mosquitto, encoding: str, protocol: str =
 @pytest.fixture(scope="module")
 def update_models(tiny_model_dir, tmp_path_factory) -> Models:
     """The shipped model (1.0.0) and a fine-tune of it (1.1.0), as tests/test_updates.py has."""
-    root = tmp_path_factory.mktemp("payload-models")
-    base, new = root / "base", root / "new"
-    _copy_variant(tiny_model_dir, base, "1.0.0")
-    _copy_variant(tiny_model_dir, new, "1.1.0")
-    _fine_tune(new / "model_int8.tflite")
-    write_meta(new, load_model_dir(tiny_model_dir), "1.1.0")
-    return Models(base, new)
+    return make_models(tiny_model_dir, tmp_path_factory.mktemp("payload-models"))
 
 
 @pytest.fixture(scope="module")
@@ -584,42 +578,6 @@ def test_a_json_agent_is_read_by_stock_tools_watched_sent_commands_and_updated(
         assert topic == raw.split(" ", 1)[0] and kind == types[key_of(topic)]
 
 
-def raw_command(
-    broker: Mosquitto, device: str, name: str, payload: bytes, content: str | None
-) -> fpb.CommandResponse:
-    """Publish `payload` as a command with these properties and wait for the answer."""
-    topics = Topics(PREFIX, device)
-    got: list[fpb.CommandResponse] = []
-    ready = threading.Event()
-    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="raw-payloads", protocol=mqtt.MQTTv5)
-    c.on_subscribe = lambda *_: ready.set()
-
-    def on_message(_c, _u, m: mqtt.MQTTMessage) -> None:  # type: ignore[no-untyped-def]
-        ct = codec.parse_content_type(m.properties.ContentType)
-        got.append(codec.decode(fpb.CommandResponse, bytes(m.payload), ct))
-
-    c.on_message = on_message
-    c.connect("127.0.0.1", broker.port)
-    c.loop_start()
-    try:
-        c.subscribe(topics.response("raw-payloads"), qos=1)
-        assert ready.wait(10)
-        props = Properties(PacketTypes.PUBLISH)
-        props.ResponseTopic = topics.response("raw-payloads")
-        props.CorrelationData = b"corr"
-        if content is not None:
-            props.ContentType = content
-        c.publish(topics.command(name), payload, qos=1, properties=props)
-        deadline = time.monotonic() + 10
-        while not got and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert got, "no response"
-        return got[0]
-    finally:
-        c.loop_stop()
-        c.disconnect()
-
-
 def test_malformed_payloads_in_each_encoding_are_answered_or_ignored(json_agent, broker) -> None:
     Code = fpb.CommandResponse
     json_ct = codec.content_type("edge_agent.fleet.v1.Command", "json")
@@ -660,7 +618,7 @@ def test_malformed_payloads_in_each_encoding_are_answered_or_ignored(json_agent,
         (codec.encode(fpb.Command(body=b"x" * 3500), "json"), json_ct, Code.OK, ""),  # > LIMIT
     ]
     for payload, content, code, why in cases:
-        resp = raw_command(broker, "dev-j", "ping", payload, content)
+        resp = raw_request(broker, "dev-j", "ping", payload, content)
         assert (resp.code, resp.command) == (code, "ping"), (payload[:40], content, resp)
         assert why in resp.message, resp.message
     assert len(cases[-1][0]) > LIMIT  # the OK one was over the limit as JSON
@@ -686,7 +644,7 @@ def test_malformed_payloads_in_each_encoding_are_answered_or_ignored(json_agent,
         assert time.monotonic() < deadline, json_agent.read_log()[-3000:]
         time.sleep(0.1)
     # and it keeps serving: commands and the local API
-    assert raw_command(broker, "dev-j", "ping", b"{}", json_ct).code == Code.OK
+    assert raw_request(broker, "dev-j", "ping", b"{}", json_ct).code == Code.OK
     assert json_agent.client().health() == "SERVING"
 
 

@@ -154,7 +154,7 @@ def _bundle(path: Path, manifest_bytes: bytes | None = None) -> Path:
     return path
 
 
-def edge_agent(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def edge_agent(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [sys.executable, "-m", "agent", *argv],

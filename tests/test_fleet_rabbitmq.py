@@ -12,9 +12,6 @@ pins that and the other difference that docs/FLEET.md describes (a `.` in a topi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +27,7 @@ from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from tests.broker_rabbitmq import RabbitMQ
 from tests.daemon_harness import Daemon
+from tests.test_fleet_publish import edge_agent
 from tests.test_updates import Models, big_models, bundle, trusted  # noqa: F401  (fixtures)
 
 PREFIX = "fleet/v1"
@@ -114,18 +112,6 @@ def retained(broker: RabbitMQ, topic: str) -> Seen:
 
 def agent(tmp: Path, model: Path, broker: RabbitMQ, device: str, config: str = FLEET) -> Daemon:
     return Daemon(tmp, model, config, args=("--broker", broker.url, "--device-id", device))
-
-
-def edge_agent(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-m", "agent", *argv],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=env,
-    )
 
 
 def connection(broker: RabbitMQ, config: Path) -> list[str]:

@@ -89,15 +89,19 @@ def _fine_tune(path: Path, fraction: float = 0.1) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.fixture(scope="module")
-def models(tiny_model_dir, tmp_path_factory) -> Models:
-    root = tmp_path_factory.mktemp("ota-models")
+def make_models(tiny_model_dir: Path, root: Path) -> Models:
+    """The shipped model (1.0.0) under `root`/base and a fine-tune of it (1.1.0) under /new."""
     base, new = root / "base", root / "new"
     _copy_variant(tiny_model_dir, base, "1.0.0")
     _copy_variant(tiny_model_dir, new, "1.1.0")
     _fine_tune(new / "model_int8.tflite")
     write_meta(new, load_model_dir(tiny_model_dir), "1.1.0")
     return Models(base, new)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir, tmp_path_factory) -> Models:
+    return make_models(tiny_model_dir, tmp_path_factory.mktemp("ota-models"))
 
 
 @pytest.fixture(scope="module")
