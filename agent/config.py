@@ -61,7 +61,10 @@ UPDATES = (
     "progress_interval_s",
     "retry_s",
     "max_download_attempts",
+    "clock",
+    "timesync_file",
 )
+CLOCK_SOURCES = ("auto", "timesyncd", "kernel", "trusted")  # agent.clock.SOURCES
 HTTP = ("listen", "key_file")
 HTTP_LISTEN = (
     '"off", an absolute unix socket path, or HOST:PORT (loopback TCP, beside the default unix '
@@ -126,6 +129,10 @@ class UpdatesConfig:
     progress_interval_s: float = 5.0  # download progress reports, at most this often
     retry_s: float = 30.0  # between download attempts
     max_download_attempts: int = 20  # in a row without progress: then the update is given up
+    # when the wall clock counts as synchronized (agent.clock.SOURCES): "auto" = timesyncd's
+    # file or the kernel's NTP status; "trusted" = always (an RTC set by other means)
+    clock: str = "auto"
+    timesync_file: Path = Path("/run/systemd/timesync/synchronized")
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +300,8 @@ def _parse_updates(t: Table) -> UpdatesConfig:
         progress_interval_s=num("progress_interval_s", 0.1, 3600, d.progress_interval_s),
         retry_s=num("retry_s", 0.1, 3600, d.retry_s),
         max_download_attempts=t.integer("max_download_attempts", 1, 10000, d.max_download_attempts),
+        clock=t.choice("clock", CLOCK_SOURCES) if "clock" in t.raw else d.clock,
+        timesync_file=t.absolute_path("timesync_file") or d.timesync_file,
     )
 
 
