@@ -12,7 +12,7 @@ from __future__ import annotations
 import ipaddress
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agent.errors import ConfigError
@@ -65,7 +65,16 @@ UPDATES = (
     "timesync_file",
 )
 CLOCK_SOURCES = ("auto", "timesyncd", "kernel", "trusted")  # agent.clock.SOURCES
-HTTP = ("listen", "key_file")
+HTTP = (
+    "listen",
+    "key_file",
+    "max_connections",
+    "header_timeout_s",
+    "body_timeout_s",
+    "keep_alive_s",
+    "allowed_hosts",
+    "allowed_origins",
+)
 HTTP_LISTEN = (
     '"off", an absolute unix socket path, or HOST:PORT (loopback TCP, beside the default unix '
     'socket), e.g. "/run/edge-agent/http.sock" or "127.0.0.1:8080"'
@@ -144,6 +153,14 @@ class HttpConfig:
     socket: Path | None = None
     tcp: str | None = None  # "HOST:PORT"; loopback only unless server.allow_remote_tcp
     key_file: Path | None = None  # then every request needs "Authorization: Bearer <key>"
+    # the listener's bounds (agent.http.connections; docs/CONFIG.md "[http]")
+    max_connections: int = 64  # both listeners together; lowered at start to fit RLIMIT_NOFILE
+    header_timeout_s: float = 10.0  # a request's head, from its first byte (or the connection)
+    body_timeout_s: float = 30.0  # a request's body, from its head
+    keep_alive_s: int = 5  # an idle connection between requests (whole seconds: uvicorn's)
+    # beyond loopback names and the listen address: Host names and Origins a browser may use
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
 
 
 def http_socket(config: AgentConfig) -> Path:
@@ -158,12 +175,13 @@ def parse_http_listen(
 ) -> HttpConfig:
     """`[http] listen` / `--http`: "off", a unix socket path, or HOST:PORT."""
     if value == "off":
-        return HttpConfig(False, None, None, base.key_file)
+        return replace(base, enabled=False, socket=None, tcp=None)
     if value.startswith("/"):
-        return HttpConfig(True, Path(value), None, base.key_file)
+        return replace(base, enabled=True, socket=Path(value), tcp=None)
     if not value or ":" not in value:
         raise ConfigError(source, key, value, HTTP_LISTEN)
-    return HttpConfig(True, None, check_tcp(source, key, value, allow_remote), base.key_file)
+    tcp = check_tcp(source, key, value, allow_remote)
+    return replace(base, enabled=True, socket=None, tcp=tcp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,7 +297,20 @@ def parse_config(data: Mapping[str, object], source: str) -> AgentConfig:
     ht = top.table("http", HTTP, required=False)
     http = d.http
     if ht is not None:
-        http = HttpConfig(key_file=ht.absolute_path("key_file"))
+        dh = d.http
+
+        def seconds(key: str, default: float) -> float:
+            return ht.number(key, 0.1, 3600) if key in ht.raw else default
+
+        http = HttpConfig(
+            key_file=ht.absolute_path("key_file"),
+            max_connections=ht.integer("max_connections", 4, 65536, dh.max_connections),
+            header_timeout_s=seconds("header_timeout_s", dh.header_timeout_s),
+            body_timeout_s=seconds("body_timeout_s", dh.body_timeout_s),
+            keep_alive_s=ht.integer("keep_alive_s", 1, 3600, dh.keep_alive_s),
+            allowed_hosts=ht.text_list("allowed_hosts", ()),
+            allowed_origins=ht.text_list("allowed_origins", ()),
+        )
         listen = ht.optional_text("listen")
         if listen is not None:
             http = parse_http_listen(source, "http.listen", listen, server.allow_remote_tcp, http)
