@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agent.clock import ClockState
 from agent.engine.stats import EngineStats, ModelInfo
 from agent.engine.types import TierStats
 
@@ -28,6 +29,7 @@ class AgentStatus:
     # the last update's phase ("none": never updated); read from disk, so only the metrics
     # scrape asks for it; "": not reported
     update_phase: str = ""
+    clock: ClockState | None = None  # whether the wall clock is synchronized (None: not reported)
 
 
 def rss_bytes() -> int:

@@ -597,6 +597,7 @@ class FleetSim:
             progress_interval_s=5.0,
             retry_s=retry_s,
             max_download_attempts=max_download_attempts,
+            clock="trusted",  # a simulated board's clock is this machine's, taken as right
         )
         self.nofile = raise_nofile(4 * len(devices) + 256)  # socket + paho's socketpair each
         use_poll_in_paho()

@@ -309,6 +309,7 @@ def test_an_update_in_blocks_over_mqtt_commits_on_rabbitmq(
         FLEET + '[model]\nquantization = "int8"\n'
         f'[updates]\ntrusted_keys_dir = "{trusted}"\ntrial_s = 1.0\n'
         "retry_s = 0.5\nprogress_interval_s = 0.2\n"
+        'clock = "trusted"\n'  # this machine's clock may not say it is synchronized
     )
     blocks = Observer(rabbit, "rmq-blocks", [topics.block_data])
     d = agent(tmp_path, big_models.base, rabbit, device, config)

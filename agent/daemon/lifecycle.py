@@ -124,6 +124,7 @@ class Daemon:
         )
 
     def _scrape(self) -> AgentStatus | None:
+            clock=self._updater.clock.state() if self._updater is not None else None,
         """What a metrics scrape reads: the status and the last update's phase, read from the
         update record on disk (so only here); None before a model is loaded."""
         try:

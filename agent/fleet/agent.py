@@ -141,6 +141,7 @@ class FleetAgent:
             last_update=self.last_update,
             now=time.time(),
             force=force,
+            mono=time.monotonic(),  # the heartbeat's timing: a wall clock step does not move it
         )
         if health is not None:
             self.link.set_health(health)
@@ -202,6 +203,7 @@ class FleetAgent:
         msg.profile = st.profile
         msg.model = f"{info.name} {info.version} {info.quantization}"
         msg.model_sha256 = info.sha256
+        msg.model_digest = info.digest
         return msg
 
     def _command(self, name: str, command: fpb.Command, reply: Reply) -> None:

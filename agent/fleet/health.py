@@ -152,6 +152,7 @@ def build_health(
             version=info.version,
             sha256=info.sha256,
             quantization=info.quantization,
+            digest=info.digest,
         ),
         accelerator=info.accelerator,
         execution_path=info.execution_path,
@@ -184,6 +185,10 @@ def build_health(
         msg.memory.kv.CopyFrom(tiers_message(status.kv))
     if last_update is not None:
         msg.last_update.CopyFrom(last_update)
+    if status.clock is not None:
+        msg.clock.CopyFrom(
+            fpb.Clock(synchronized=status.clock.synchronized, source=status.clock.source)
+        )
     return msg
 
 
@@ -216,6 +221,7 @@ def changes(prev: fpb.Health | None, new: fpb.Health) -> list[str]:
         "disk": _disk_low(p.disk) != _disk_low(n.disk),
         "update": _update(p) != _update(n),
         "over budget": _over_budget(p.memory) != _over_budget(n.memory),
+        "clock": p.clock.synchronized != n.clock.synchronized,
     }
     return [name for name, hit in rules.items() if hit]
 
@@ -250,8 +256,9 @@ class HealthReporter:
     `next` returns a Health when it changed significantly since the last one returned (but not
     sooner than `min_interval_s` after it: a change that comes too soon stays pending and goes
     out once `min_interval_s` has passed) or when `interval_s` has passed (the heartbeat).
-    `seq` increases by one per returned message. Times are unix seconds; a clock that steps
-    back counts as a heartbeat due.
+    `seq` increases by one per returned message. `now` is the unix time the message carries;
+    the intervals are measured on `mono` (the monotonic clock) when given, else on `now` (where
+    a clock that steps back counts as a heartbeat due).
     """
 
     def __init__(
@@ -288,6 +295,7 @@ class HealthReporter:
         last_update: fpb.UpdateStatus | None,
         now: float,
         force: bool = False,
+        mono: float | None = None,
     ) -> fpb.Health | None:
         """The Health to publish now, or None if nothing is due (`force`: due now, e.g. the
         last one before a clean shutdown)."""
@@ -306,12 +314,13 @@ class HealthReporter:
         for name in changes(self.last, health):
             if name not in self._pending:
                 self._pending.append(name)
-        elapsed = now - self._sent_at
+        at = now if mono is None else mono
+        elapsed = at - self._sent_at
         if self.last is not None and elapsed >= 0 and not force:
             due_change = bool(self._pending) and elapsed >= self.min_interval_s
             if not (due_change or elapsed >= self.interval_s):
                 return None
         if self._pending:
             log.info("health %d: %s", health.seq, ", ".join(self._pending))
-        self.seq, self.last, self._sent_at, self._pending = health.seq, health, now, []
+        self.seq, self.last, self._sent_at, self._pending = health.seq, health, at, []
         return health

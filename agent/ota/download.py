@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,9 +32,12 @@ async def download(
     reports: Reports,
     blocks: BlockSource | None,
     interrupt: Interrupt,
+    check_times: Callable[[], None],
 ) -> None:
     """Fetch the payload of `m` into `store.payload_path` and verify its sha256; raise
-    UpdateRejected when it expires, is cancelled, is given up on or does not match."""
+    UpdateRejected when it expires (`check_times`, before every attempt: it judges the
+    manifest's window only on a synchronized clock), is cancelled, is given up on or does not
+    match."""
     part = store.payload_path(m.update_id)
     limit = RateLimit(config.progress_interval_s)
 
@@ -48,8 +50,7 @@ async def download(
             reports.progress(rec, f"{have} of {m.payload_size} bytes")
 
     while True:
-        if time.time() >= m.expires_unix:
-            raise UpdateRejected("expired", "the manifest expired during download")
+        check_times()
         before = _size(part)
         try:
             await asyncio.to_thread(_fetch, m, part, progress, blocks, interrupt.stop)

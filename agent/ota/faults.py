@@ -4,10 +4,15 @@ Active only when ``EDGE_AGENT_FAULT_INJECTION=1`` and ``EDGE_AGENT_OTA_CRASH_AT`
 point: a state entered (``verified``), ``unreported-<state>`` (the record says that state, its
 report is not written yet), ``switched`` (the pointer names the new model, the record still
 says activating), ``mid-download``, ``mid-staging``.
+
+``EDGE_AGENT_OTA_PAUSE_AT=<state>`` holds the update, once its record says that state and
+before the state's work starts, until the file ``EDGE_AGENT_OTA_RESUME_FILE`` exists (the clock
+tests move the wall clock there).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -18,6 +23,8 @@ log = logging.getLogger(__name__)
 
 CRASH_ENV = "EDGE_AGENT_OTA_CRASH_AT"
 UNREPORTED = "unreported-"  # + a state: between saving the record and writing its report
+PAUSE_ENV = "EDGE_AGENT_OTA_PAUSE_AT"
+RESUME_ENV = "EDGE_AGENT_OTA_RESUME_FILE"
 
 
 def crash_point(name: str) -> None:
@@ -25,6 +32,16 @@ def crash_point(name: str) -> None:
     if os.environ.get(CRASH_ENV) == name and os.environ.get("EDGE_AGENT_FAULT_INJECTION") == "1":
         log.warning("fault injection: SIGKILL at %s", name)
         os.kill(os.getpid(), 9)
+
+
+async def pause_point(name: str) -> None:
+    """Wait at point `name` until the resume file exists, if the tests asked for it."""
+    if os.environ.get(PAUSE_ENV) != name or os.environ.get("EDGE_AGENT_FAULT_INJECTION") != "1":
+        return
+    resume = Path(os.environ.get(RESUME_ENV, "resume"))
+    log.warning("fault injection: paused at %s until %s exists", name, resume)
+    while not resume.exists():
+        await asyncio.sleep(0.05)
 
 
 def crash_when_written(staging: Path) -> None:

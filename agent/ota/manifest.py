@@ -221,8 +221,22 @@ def check_consistent(m: opb.Manifest, max_payload_bytes: int = DEFAULT_MAX_PAYLO
     _check_metadata(m)
 
 
-def check(manifest: opb.Manifest, ctx: InstallContext, now: float) -> None:
-    """Raise UpdateRejected unless this device may install `manifest` at time `now`.
+def check_times(m: opb.Manifest, now: float) -> None:
+    """Raise UpdateRejected ("expired", "not_yet_valid") unless `now` is in the manifest's
+    validity window. `now` must come from a synchronized clock (agent.clock)."""
+    if m.expires_unix <= now:
+        raise UpdateRejected("expired", f"the manifest expired {now - m.expires_unix:.0f} s ago")
+    if m.issued_unix > now + CLOCK_SKEW_S:
+        raise UpdateRejected(
+            "not_yet_valid",
+            f"the manifest is issued {m.issued_unix - now:.0f} s in the future "
+            f"(more than the {CLOCK_SKEW_S:.0f} s clock skew allowed); check the clock",
+        )
+
+
+def check(manifest: opb.Manifest, ctx: InstallContext, now: float | None) -> None:
+    """Raise UpdateRejected unless this device may install `manifest` at time `now` (None: the
+    wall clock is not synchronized, and the validity window is left to `check_times` later).
 
     Verify the signature first (`verify`); this only judges the content.
     """
@@ -245,14 +259,8 @@ def check(manifest: opb.Manifest, ctx: InstallContext, now: float) -> None:
             "rollback",
             f"version {m.version} is not newer than the installed version {ctx.installed_version}",
         )
-    if m.expires_unix <= now:
-        raise UpdateRejected("expired", f"the manifest expired {now - m.expires_unix:.0f} s ago")
-    if m.issued_unix > now + CLOCK_SKEW_S:
-        raise UpdateRejected(
-            "not_yet_valid",
-            f"the manifest is issued {m.issued_unix - now:.0f} s in the future "
-            f"(more than the {CLOCK_SKEW_S:.0f} s clock skew allowed); check the clock",
-        )
+    if now is not None:
+        check_times(m, now)
     if m.base_model_sha256 and m.base_model_sha256 != ctx.installed_sha256:
         raise UpdateRejected(
             "base_mismatch",

@@ -28,17 +28,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from agent.clock import Clock, Stopwatch
 from agent.config import UpdatesConfig
 from agent.errors import AgentError
 from agent.ota import delta, keys, manifest, signing
 from agent.ota.cancel import check_cancellable, verify_cancel
 from agent.ota.cleanup import Cleanup
 from agent.ota.download import download
-from agent.ota.faults import UNREPORTED, crash_point
+from agent.ota.faults import UNREPORTED, crash_point, pause_point
 from agent.ota.fetch import HTTP_TIMEOUT_S, BlockSource, PayloadTooLarge
 from agent.ota.host import UpdateHost
 from agent.ota.interrupt import Interrupt
@@ -54,6 +54,9 @@ R = opb.UpdateRecord
 Phase = fpb.UpdateStatus
 FINAL = (R.COMMITTED, R.ROLLED_BACK, R.REJECTED)
 CANCELLABLE = (R.RECEIVED, R.DOWNLOADING, R.VERIFIED, R.STAGED)  # before the new model loads
+UNJUDGED = "; its validity window is judged once the clock is synchronized"
+CLOCK_POLL_S = 1.0  # how often a staged update waiting for a synchronized clock looks again
+TRIAL_SAVE_S = 10.0  # the trial's elapsed time is written at least this often (and at every save)
 
 
 class Updater:
@@ -63,8 +66,11 @@ class Updater:
         config: UpdatesConfig,
         shipped: ModelRef,
         blocks: BlockSource | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.store = store
+        # durations by its monotonic clock; its wall clock only once synchronized (agent/clock.py)
+        self.clock = clock or Clock(config.clock, config.timesync_file)
         self.config = config
         self.shipped = shipped  # what serves when no update was ever installed
         self.blocks = blocks
@@ -98,7 +104,8 @@ class Updater:
         if rec is not None and rec.state == R.ACTIVATING:
             target = self._manifest(rec).target_model_sha256
             if inst.current.sha256 == target:  # the switch happened: this start is a trial start
-                rec.state, rec.trial_started_unix = R.TRIAL, rec.trial_started_unix or time.time()
+                rec.state = R.TRIAL
+                rec.trial_started_unix = rec.trial_started_unix or self.clock.wall()
                 rec.reason = "serving the new model; trial running (the agent restarted)"
             else:
                 self._finish(rec, R.ROLLED_BACK, "the agent restarted while activating")
@@ -199,14 +206,16 @@ class Updater:
             return self.reports.rejected("", exc.code, exc.message)
         inst = self.installed()
         assert self.host is not None
+        now = self._trusted_now()
         try:
-            manifest.check(m, self.host.install_context(inst.current), time.time())
+            manifest.check(m, self.host.install_context(inst.current), now)
         except manifest.UpdateRejected as exc:
             return self.reports.rejected(m.update_id, exc.code, exc.message, m)
         rec = R(
             signed=signed,
             state=R.RECEIVED,
-            reason="manifest verified",
+            times_checked=now is not None,
+            reason="manifest verified" + ("" if now is not None else UNJUDGED),
             previous_model_dir=inst.current.model_dir,
             from_version=inst.current.label or str(inst.current.version),
         )
@@ -225,7 +234,7 @@ class Updater:
             trusted = keys.load_trusted(self.config.trusted_keys_dir)
         except keys.KeyFileError as exc:
             raise manifest.UpdateRejected("trusted_keys", str(exc)) from exc
-        cancel, kid = verify_cancel(signed_bytes, trusted, time.time())
+        cancel, kid = verify_cancel(signed_bytes, trusted, self._trusted_now())
         rec = self.store.record()
         task = self._task
         running = rec is not None and task is not None and not task.done()
@@ -262,6 +271,7 @@ class Updater:
                 step = self._steps().get(rec.state)
                 if step is None:
                     raise AgentError(f"unknown update state {rec.state}")
+                await pause_point(R.State.Name(rec.state).lower())
                 await step(rec, m)
         except asyncio.CancelledError:
             raise
@@ -297,6 +307,7 @@ class Updater:
             reports=self.reports,
             blocks=self.blocks,
             interrupt=self.interrupt,
+            check_times=lambda: self._check_times(rec, m),
         )
         self._enter(rec, R.VERIFIED, "payload sha256 verified")
 
@@ -306,6 +317,8 @@ class Updater:
 
     async def _activate(self, rec: opb.UpdateRecord, m: opb.Manifest) -> None:
         assert self.host is not None
+        if rec.state == R.STAGED:  # the last decision before the new model loads
+            await self._judge_times_before_activation(rec, m)
         new = ModelRef(
             rec.staged_model_dir, m.quantization, m.target_model_sha256, m.version, m.version_label
         )
@@ -320,20 +333,30 @@ class Updater:
         inst = self.installed()
         self.store.switch(Installed(new, inst.current, inst.finished))
         crash_point("switched")  # the record still says activating: a restart continues the trial
-        rec.trial_started_unix = time.time()
+        rec.trial_started_unix, rec.trial_elapsed_s = self.clock.wall(), 0.0
         self._enter(rec, R.TRIAL, f"serving {m.version_label or m.version}; trial running")
 
     async def _trial(self, rec: opb.UpdateRecord, m: opb.Manifest) -> None:
         assert self.host is not None
         crash_point("trial")  # also when a restart continues the trial: a crash loop
         canary = m.canary if m.HasField("canary") else None
-        end = rec.trial_started_unix + self.config.trial_s
-        while time.time() < end:
-            await asyncio.sleep(min(1.0, max(0.0, end - time.time())))
+        # served time by the monotonic clock, continued from the record after a restart (time
+        # while the agent was down does not count): a wall clock step neither ends nor
+        # stretches it
+        watch, trial_s = Stopwatch(self.clock, rec.trial_elapsed_s), self.config.trial_s
+        saved = rec.trial_elapsed_s
+        if saved > 0:
+            log.info("update %s: trial continues at %.1f of %.0f s", m.update_id, saved, trial_s)
+        while rec.trial_elapsed_s < trial_s:
+            await asyncio.sleep(min(1.0, trial_s - rec.trial_elapsed_s))
             problem = await self.host.check_serving(None)
+            rec.trial_elapsed_s = min(watch.elapsed(), trial_s)
             if problem is not None:
                 await self._rollback(rec, f"health check failed during the trial: {problem}")
                 return
+            if rec.trial_elapsed_s - saved >= TRIAL_SAVE_S:
+                self.store.save(rec)
+                saved = rec.trial_elapsed_s
         problem = await self.host.check_serving(canary)
         if problem is not None:
             await self._rollback(rec, f"canary failed at the end of the trial: {problem}")
@@ -357,6 +380,36 @@ class Updater:
         self.store.remove_unused([Path(inst.current.model_dir)])
         self.host.remove_unused_caches()
         self.reports.transition(rec, reason)
+
+    # ------------------------------------------------------------------ time
+
+    def _trusted_now(self) -> float | None:
+        """The wall clock, or None while it is not known to be synchronized."""
+        return self.clock.wall() if self.clock.state().synchronized else None
+
+    def _check_times(self, rec: opb.UpdateRecord, m: opb.Manifest) -> None:
+        """Judge the manifest's validity window if the wall clock is synchronized (raise
+        UpdateRejected "expired" / "not_yet_valid"); on an unsynchronized clock decide
+        nothing."""
+        now = self._trusted_now()
+        if now is None:
+            return
+        manifest.check_times(m, now)
+        rec.times_checked = True  # written with the next record
+
+    async def _judge_times_before_activation(self, rec: opb.UpdateRecord, m: opb.Manifest) -> None:
+        """Before the new model loads: wait (cancellable) until the wall clock is synchronized,
+        then judge the manifest's window on it — whatever was judged before."""
+        now = self._trusted_now()
+        if now is None:
+            why = "waiting for a synchronized clock to judge the manifest before activating"
+            log.warning("update %s: staged; %s", m.update_id, why)
+            self.reports.progress(rec, f"staged; {why}")
+            while (now := self._trusted_now()) is None:
+                await self.interrupt.pause(CLOCK_POLL_S)
+            log.info("update %s: the clock is synchronized; activation continues", m.update_id)
+        manifest.check_times(m, now)
+        rec.times_checked = True
 
     # ------------------------------------------------------------------ records and reports
 
