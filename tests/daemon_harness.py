@@ -60,6 +60,17 @@ class NotifyListener:
             time.sleep(0.02)
         raise AssertionError(f"no {key}={value} within {timeout}s; got {self.messages[start:]}")
 
+    def mark(self, name: str) -> int:
+        """Send our own datagram to the socket and wait until it is read; the index after it.
+
+        The socket's queue is first in, first out: every message the daemon sent before the
+        mark has been read when the mark has, so counting from here is not a race with the
+        reader thread."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(f"TEST_MARK={name}".encode(), str(self.path))
+        self.wait_for("TEST_MARK", name, since=0)
+        return next(i + 1 for i, m in enumerate(self.messages) if m.get("TEST_MARK") == name)
+
     def count(self, key: str, since: int = 0) -> int:
         return sum(1 for m in self.messages[since:] if key in m)
 
@@ -128,6 +139,19 @@ class Daemon:
         if not self.log.closed:
             self.log.flush()
         return (self.tmp / "daemon.log").read_text()
+
+    def wait_log(self, text: str, timeout: float = 120.0, since: int = 0) -> int:
+        """Until the daemon's log holds `text` after character `since`; where it ends there.
+        An event to wait for (a log line says the thing happened), `timeout` only a limit."""
+        deadline = time.monotonic() + timeout
+        while True:
+            log = self.read_log()
+            at = log.find(text, since)
+            if at >= 0:
+                return at + len(text)
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"no {text!r} in the daemon's log:\n{log[since:][-3000:]}")
+            time.sleep(0.02)
 
     def stop(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:

@@ -1,7 +1,10 @@
 """Exit codes of the command line as scripts meet them (agent/exitcodes.py, README "Exit codes").
 
-Real `python -m agent ...` subprocesses against a real daemon on a unix socket; the demo model
-(context 1024, ~1 ms a token here) makes a 1000-token stream long enough to interrupt.
+Real `python -m agent ...` subprocesses against a real daemon on a unix socket. The daemon runs
+the demo model without its stop token (tests/endless.py): a 1000-token request there generates
+1000 tokens whatever the sampler draws (~1 s here at ~1 ms a token), so a Ctrl-C, a SIGTERM or
+a 50 ms deadline always meets a generation that is still running (the demo model itself may
+sample its EOS after 40 tokens).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import sentencepiece
 from agent import exitcodes
 from agent.modeldir import demo_model_dir, load_model_dir
 from tests.daemon_harness import Daemon
+from tests.endless import endless_model_dir
 
 PROMPT = "def f(x):"
 
@@ -69,7 +73,8 @@ def prompt_tokens(text: str) -> int:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("exits"), demo_model_dir(), "[watchdog]\ntick_s = 0.2\n")
+    tmp = tmp_path_factory.mktemp("exits")
+    d = Daemon(tmp, endless_model_dir(tmp / "model"), "[watchdog]\ntick_s = 0.2\n")
     yield d
     assert d.stop() == 0, d.read_log()
 
@@ -141,13 +146,16 @@ def test_ctrl_c_with_json_prints_what_arrived(daemon: Daemon) -> None:
 
 
 def test_a_deadline_is_exit_4_where_a_complete_answer_is_0(daemon: Daemon) -> None:
+    """1000 tokens that cannot stop early take ~1 s here: a 50 ms deadline ends them (a model
+    would need 50 us a token to finish in time), where 4 tokens and no deadline end with 0."""
     done = client(daemon, "generate", PROMPT, "--max-tokens", "4", "--seed", "1", "--json")
     assert done.returncode == exitcodes.OK == 0, done.stderr
-    assert json.loads(done.stdout)["finish_reason"] in ("stop", "length")
-    r = client(daemon, "generate", PROMPT, "--max-tokens", "1000", "--timeout", "0.05")
+    assert json.loads(done.stdout)["finish_reason"] == "length"
+    long = ("generate", PROMPT, "--max-tokens", "1000", "--seed", "1", "--timeout", "0.05")
+    r = client(daemon, *long)
     assert r.returncode == exitcodes.DEADLINE == 4, r.stderr
     assert "DEADLINE_EXCEEDED" in one_line(r.stderr) and "--timeout 0.05" in r.stderr
-    js = client(daemon, "generate", PROMPT, "--max-tokens", "1000", "--timeout", "0.05", "--json")
+    js = client(daemon, *long, "--json")
     assert js.returncode == 4, js.stderr
     doc = json.loads(js.stdout)
     assert "DEADLINE_EXCEEDED" in doc["error"] and len(doc["tokens"]) < 1000
@@ -258,12 +266,19 @@ def test_a_full_queue_and_a_busy_session_are_exit_6(tmp_path: Path) -> None:
     finds the queue full, another turn of the session finds it busy. Both may pass later."""
     from agent.rpc.client import Client, build_request
 
-    d = Daemon(tmp_path, demo_model_dir(), "[limits]\nmax_active = 1\nqueue_capacity = 1\n")
+    d = Daemon(
+        tmp_path,
+        demo_model_dir(),
+        "[limits]\nmax_active = 1\nqueue_capacity = 1\n"
+        "[watchdog]\ntick_s = 0.2\nengine_stall_s = 2\n",
+    )
     c = Client(str(d.socket), timeout=60, client_key=_env()["EDGE_AGENT_CLIENT_KEY"])
     try:
         sid = c.create_session()
         d.signal(signal.SIGUSR2)  # fault injection: the engine thread stalls, nothing runs
-        time.sleep(0.5)
+        # the engine thread is asleep (not merely about to take the turn in) once the daemon
+        # says it has not answered for engine_stall_s (an idle engine answers every 0.5 s)
+        d.wait_log("engine thread has not answered for")
         turn = build_request(
             PROMPT,
             None,
@@ -279,6 +294,7 @@ def test_a_full_queue_and_a_busy_session_are_exit_6(tmp_path: Path) -> None:
         deadline = time.monotonic() + 30
         while int(c.status().get("queue_depth", 0)) < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
+        assert int(c.status().get("queue_depth", 0)) == 1, c.status()
         full = client(d, "generate", PROMPT, "--max-tokens", "2")
         assert full.returncode == exitcodes.BUSY == 6, full.stderr
         assert "RESOURCE_EXHAUSTED" in one_line(full.stderr) and "queue is full" in full.stderr
@@ -294,7 +310,7 @@ def test_a_full_queue_and_a_busy_session_are_exit_6(tmp_path: Path) -> None:
 
 
 def test_a_request_the_daemon_cancels_is_exit_7(tmp_path: Path) -> None:
-    d = Daemon(tmp_path, demo_model_dir(), "[limits]\ndrain_timeout_s = 0\n")
+    d = Daemon(tmp_path, endless_model_dir(tmp_path / "model"), "[limits]\ndrain_timeout_s = 0\n")
     try:
         running = popen_client(d, "generate", PROMPT, "--max-tokens", "1000", "--seed", "1")
         assert running.stdout is not None
