@@ -24,9 +24,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final, Protocol
 
+from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -35,7 +36,8 @@ from agent.engine.engine import Engine
 from agent.engine.request import RequestHandle
 from agent.engine.types import TokenEvent
 from agent.errors import AgentError, Overloaded, Unavailable
-from agent.http import convert
+from agent.http import body as json_body
+from agent.http import convert, faults
 from agent.http.errors import HttpError, describe, error_body
 from agent.rpc.identity import owner_of
 
@@ -52,6 +54,11 @@ class Counter(Protocol):
     def refused(self, api: str, outcome: str = "refused") -> None: ...
 
     def render(self) -> tuple[bytes, str]: ...
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """Where the listener's own figures are registered (`agent.http.connections`)."""
+        ...
 
 
 class Backend(Protocol):
@@ -134,9 +141,16 @@ class Api:
 
         async def http_error(request: Request, exc: Exception) -> Response:
             assert isinstance(exc, HTTPException)
+            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
             return JSONResponse(
-                error_body(f"{request.method} {request.url.path}: {exc.detail}", "not_found"),
+                error_body(
+                    f"{request.method} {request.url.path}: {exc.detail}",
+                    "invalid_request_error",
+                    None,
+                    code,
+                ),
                 status_code=exc.status_code,
+                headers=exc.headers,  # 405: Allow
             )
 
         return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
@@ -159,6 +173,9 @@ class Api:
                     outcome = "overloaded" if isinstance(exc, Overloaded) else "refused"
                     self._metrics.refused("http", outcome)
                 return _error_response(exc)
+            except ClientDisconnect:  # gone while sending its body: nobody to answer
+                log.info("http %s: client disconnected while sending its request", name)
+                return Response(status_code=499)
             except Exception as exc:
                 log.exception("http %s failed", name)
                 return _error_response(exc)
@@ -177,6 +194,7 @@ class Api:
             )
 
     async def _body(self, request: Request) -> dict[str, Any]:
+        json_body.check_content_type(request.headers.get("content-type"))
         limit = self._backend.config.server.max_message_bytes
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > limit:
@@ -186,20 +204,19 @@ class Api:
             data += piece
             if len(data) > limit:
                 raise HttpError(f"request body is over {limit} bytes", status=413)
-        try:
-            body = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise HttpError(f"request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise HttpError("request body must be a JSON object")
-        return body
+        return await asyncio.to_thread(json_body.parse, bytes(data))
 
     def _owner(self, request: Request) -> str:
         if self._backend.config.sessions.share:
             return ""
         return owner_of(request.headers.get(CLIENT_HEADER, ""))
 
-    def _submit(self, engine: Engine, parsed: convert.Parsed) -> tuple[RequestHandle, _Events]:
+    async def _submit(
+        self, engine: Engine, parsed: convert.Parsed
+    ) -> tuple[RequestHandle, _Events]:
+        """Queue the request: `engine.submit` renders and tokenizes the prompt (a 1 MiB
+        message takes ~0.5 s) and compiles its constraint, so it runs on a worker thread
+        while the event loop serves everyone else (`submit_off_loop`)."""
         events = _Events(asyncio.get_running_loop())
         sink = events.put
         metrics = self._metrics
@@ -210,7 +227,8 @@ class Api:
                     metrics.observe("http", event)
                 events.put(event)
 
-        return engine.submit(parsed.request, sink), events
+        handle = await submit_off_loop(lambda: engine.submit(parsed.request, sink))
+        return handle, events
 
     # ------------------------------------------------------------------ endpoints
 
@@ -229,12 +247,32 @@ class Api:
     async def _generate(
         self, request: Request, engine: Engine, parsed: convert.Parsed, *, chat: bool
     ) -> Response:
-        handle, events = self._submit(engine, parsed)
+        handle, events = await self._submit(engine, parsed)
         model = engine.info.name
         created = int(time.time())
         if parsed.stream:
+            # the status waits for the first event: a request that the stopping agent refused
+            # before it started is a 503, not a 200 stream that holds an error
+            try:
+                first = await _wait_or_gone(request, events)
+            except BaseException:
+                handle.cancel()  # this task was cancelled: nobody will read the request
+                raise
+            if first is None:  # the client went away
+                handle.cancel()
+                log.info("http %s: client disconnected; cancelled", handle.id)
+                return Response(status_code=499)
+            if handle.refused is not None:
+                raise handle.refused
             stream = self._stream(
-                handle, events, model, created, chat, parsed.include_usage, parsed.tool_parse
+                handle,
+                events,
+                model,
+                created,
+                chat,
+                parsed.include_usage,
+                parsed.tool_parse,
+                first,
             )
             return StreamingResponse(
                 stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
@@ -254,29 +292,26 @@ class Api:
         finally:
             if not handle.done.is_set():
                 handle.cancel()
+        if handle.refused is not None:  # the agent stopped before it started: 503
+            raise handle.refused
         if event.finish_reason == "error":  # the engine failed it (non-finite logits, LiteRT)
             raise HttpError(
                 f"generation failed: {event.error or 'no reason given'}",
                 status=500,
                 kind="server_error",
             )
-        if event.finish_reason not in convert.FINISH:  # cancelled: the daemon is stopping
+        end = _finish_reason(event)
+        if end not in convert.FINISH:
             raise Unavailable(f"generation {event.finish_reason}: {event.error or 'no reason'}")
         text = "".join(pieces)
         if chat:
-            out = convert.chat_response(
-                handle.id, created, model, text, event.finish_reason, event.stats
-            )
+            out = convert.chat_response(handle.id, created, model, text, end, event.stats)
             if parsed.tool_parse:  # the calls it holds (agent.engine.toolcalls)
-                message, reason = convert.assistant_message(
-                    text, parsed.tool_parse, event.finish_reason
-                )
+                message, reason = convert.assistant_message(text, parsed.tool_parse, end)
                 out["choices"][0].update(message=message, finish_reason=reason)
         else:
-            out = convert.completion_response(
-                handle.id, created, model, text, event.finish_reason, event.stats
-            )
-        return JSONResponse(out)
+            out = convert.completion_response(handle.id, created, model, text, end, event.stats)
+        return JSONResponse({**out, **_cut_note(event)})
 
     async def _stream(
         self,
@@ -287,6 +322,7 @@ class Api:
         chat: bool,
         include_usage: bool,
         tool_parse: str = "",
+        first: tuple[TokenEvent, int] | None = None,
     ) -> AsyncIterator[bytes]:
         rid = handle.id
         held: list[str] = []  # a chat with tools: its answer, parsed whole for its calls
@@ -296,9 +332,11 @@ class Api:
                     convert.chat_chunk(rid, created, model, {"role": "assistant", "content": ""})
                 )
             while True:
-                event, count = await events.take()
+                event, count = first if first is not None else await events.take()
+                first = None
                 handle.consumed(count)
-                end = event.finish_reason
+                end = _finish_reason(event)
+                note = _cut_note(event)
                 if end is not None and end not in convert.FINISH:
                     why = event.error or "no reason given"
                     yield _sse(error_body(f"generation {end}: {why}", "server_error"))
@@ -310,15 +348,15 @@ class Api:
                         message, reason = convert.assistant_message(text, tool_parse, end)
                         delta = convert.tool_delta(message)
                         yield _sse(convert.chat_chunk(rid, created, model, delta))
-                        yield _sse(convert.chat_chunk(rid, created, model, {}, reason))
+                        yield _sse({**convert.chat_chunk(rid, created, model, {}, reason), **note})
                 elif chat:
                     delta = {"content": event.text} if event.text else {}
                     if delta or end is not None:
-                        yield _sse(convert.chat_chunk(rid, created, model, delta, end))
+                        chunk = convert.chat_chunk(rid, created, model, delta, end)
+                        yield _sse({**chunk, **note})
                 elif event.text or end is not None:
-                    yield _sse(
-                        convert.completion_response(rid, created, model, event.text, end, None)
-                    )
+                    chunk = convert.completion_response(rid, created, model, event.text, end, None)
+                    yield _sse({**chunk, **note})
                 if end is not None:
                     if include_usage:
                         if chat:
@@ -368,6 +406,42 @@ class Api:
             raise HttpError("metrics are not collected by this daemon", status=404)
         data, content_type = self._metrics.render()
         return Response(data, media_type=content_type)
+
+
+async def submit_off_loop(submit: Callable[[], RequestHandle]) -> RequestHandle:
+    """`submit()` on a worker thread. If the caller is cancelled meanwhile (its client went
+    away), the request it queued is cancelled as soon as the thread returns it."""
+    loop = asyncio.get_running_loop()
+    future = loop.run_in_executor(None, _gated, submit)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+
+        def cancel_queued(f: asyncio.Future[RequestHandle]) -> None:
+            if not f.cancelled() and f.exception() is None:
+                f.result().cancel()
+
+        future.add_done_callback(cancel_queued)
+        raise
+
+
+def _gated(submit: Callable[[], RequestHandle]) -> RequestHandle:
+    faults.submit_gate()
+    return submit()
+
+
+def _finish_reason(event: TokenEvent) -> str | None:
+    """OpenAI's finish reason for an event: a request the stopping agent cut ("cancelled")
+    ends with "length", the value every OpenAI SDK parses and reads as "the answer was cut
+    short"; `_cut_note` says why (docs/API.md "Stopping")."""
+    return "length" if event.finish_reason == "cancelled" else event.finish_reason
+
+
+def _cut_note(event: TokenEvent) -> dict[str, Any]:
+    """The extension field on the last chunk / the answer of a request the agent cut."""
+    if event.finish_reason != "cancelled":
+        return {}
+    return {"edge_agent": {"finish_reason": "cancelled", "message": event.error or "cancelled"}}
 
 
 async def _wait_or_gone(request: Request, events: _Events) -> tuple[TokenEvent, int] | None:

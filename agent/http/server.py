@@ -4,6 +4,10 @@ same rules for what may be removed at its path (`agent.rpc.unixsocket`), and loo
 configured. No second process, no thread per request, no signal handlers of its own (the
 daemon's stay in charge): `start` binds and serves, `stop` closes.
 
+Bounds (docs/API.md "Limits"): a connection limit and header/body/keep-alive deadlines
+(`agent.http.connections`), Host and Origin checks (`agent.http.guard`), a JSON content type
+and nesting depth (`agent.http.body`).
+
 Why uvicorn + starlette and not aiohttp: docs/PERFORMANCE.md "HTTP stack".
 """
 
@@ -17,11 +21,15 @@ from pathlib import Path
 from typing import Final
 
 import uvicorn
+from prometheus_client.registry import Collector
 
 from agent.config import AgentConfig, http_socket
 from agent.errors import HostError
+from agent.http import connections
+from agent.http.guard import RequestGuard, allowed_hosts
 from agent.http.openai import Api, Backend, Counter
 from agent.rpc import unixsocket
+from agent.rpc.identity import loose_key_file
 
 log = logging.getLogger("agent.http")
 
@@ -29,8 +37,11 @@ BACKLOG: Final = 64
 
 
 def read_key(path: Path) -> str:
-    """The bearer key: the file's first line, which must not be empty."""
+    """The bearer key: the file's first line, which must not be empty. A file that others
+    (not the owner or its group) may read or write is served with a warning
+    (`agent.rpc.identity.loose_key_file`)."""
     try:
+        loose = loose_key_file(path)
         key = path.read_text().strip()
     except OSError as exc:
         raise HostError(f"http.key_file {path}: {exc.strerror}") from exc
@@ -38,6 +49,8 @@ def read_key(path: Path) -> str:
         raise HostError(f"http.key_file {path}: not text ({exc.reason})") from exc
     if not key or "\n" in key:
         raise HostError(f"http.key_file {path}: must hold the key on one line, and not be empty")
+    if loose:
+        log.warning("http.key_file %s: %s", path, loose)
     return key
 
 
@@ -59,6 +72,7 @@ class HttpServer:
         self._sockets: list[socket.socket] = []
         self._bound: unixsocket.BoundSocket | None = None
         self._server: uvicorn.Server | None = None
+        self._collector: Collector | None = None
 
     @property
     def socket_path(self) -> Path:
@@ -70,13 +84,29 @@ class HttpServer:
         cfg = self._config
         key = read_key(cfg.http.key_file) if cfg.http.key_file is not None else None
         api = Api(self._backend, self._max_tokens, key, self._metrics)
+        limit = connections.fit_to_fd_limit(cfg.http.max_connections)
+        stats = connections.ConnectionStats(limit)
+        protocol = connections.protocol_class(
+            connections.ConnectionLimits(limit, cfg.http.header_timeout_s, cfg.http.body_timeout_s),
+            stats,
+        )
+        listen = [cfg.http.tcp.rpartition(":")[0]] if cfg.http.tcp else []
+        app = RequestGuard(
+            api.app(),
+            allowed_hosts(listen, cfg.http.allowed_hosts),
+            frozenset(cfg.http.allowed_origins),
+        )
         try:
             self._bind_unix()
             if cfg.http.tcp:
                 self._bind_tcp(cfg.http.tcp)
+            if self._metrics is not None:
+                self._collector = connections.stats_collector(stats)
+                self._metrics.registry.register(self._collector)
             config = uvicorn.Config(
-                api.app(),
-                http="h11",  # pure Python on every board; httptools has no armv7l wheel
+                app,
+                # uvicorn's pure-Python h11 protocol (httptools has no armv7l wheel), bounded
+                http=protocol,
                 ws="none",
                 lifespan="off",
                 log_config=None,  # the daemon's logging stays as it is
@@ -84,7 +114,7 @@ class HttpServer:
                 server_header=False,
                 date_header=False,
                 proxy_headers=False,
-                timeout_keep_alive=5,
+                timeout_keep_alive=cfg.http.keep_alive_s,
                 timeout_graceful_shutdown=2,
                 backlog=BACKLOG,
             )
@@ -98,9 +128,14 @@ class HttpServer:
             await self.stop()
             raise
         log.info(
-            "http: OpenAI-compatible API on %s%s",
+            "http: OpenAI-compatible API on %s%s (at most %d connections; head %gs, body %gs, "
+            "keep-alive %ds)",
             ", ".join(self.addresses),
             " (bearer key required)" if key else "",
+            limit,
+            cfg.http.header_timeout_s,
+            cfg.http.body_timeout_s,
+            cfg.http.keep_alive_s,
         )
 
     def _bind_unix(self) -> None:
@@ -157,6 +192,9 @@ class HttpServer:
         server, self._server = self._server, None
         if server is not None:
             await server.shutdown()
+        collector, self._collector = self._collector, None
+        if collector is not None and self._metrics is not None:
+            self._metrics.registry.unregister(collector)
         for sock in self._sockets:
             sock.close()
         self._sockets.clear()
