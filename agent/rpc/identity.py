@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import secrets
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 
 from agent.errors import ConfigError, InvalidRequest
+
+log = logging.getLogger(__name__)
 
 METADATA_KEY = "edge-agent-client"
 KEY_ENV = "EDGE_AGENT_CLIENT_KEY"
@@ -56,6 +60,28 @@ def check_key(key: str) -> str:
     return key
 
 
+def loose_key_file(path: Path, *, group_may_read: bool = True) -> str | None:
+    """What is wrong with a key file's permissions, or None. Others (neither the owner nor
+    the file's group) must have no access, and the group may read (the daemon's bearer key:
+    a group is how it is shared with the apps that use it) or nothing (`group_may_read`
+    False: a client's own key). "Others" is every user on the board.
+
+    A warning, not a refusal (docs/API.md "Keys"): the key guards a loopback listener that
+    the Host/Origin checks already keep browsers off, and a daemon that refuses to start over
+    a provisioning slip serves nobody, gRPC included, on every board that has it."""
+    mode = os.stat(path).st_mode
+    if mode & stat.S_IRWXO:
+        return (
+            f"mode {stat.S_IMODE(mode):04o}: every user on this machine can "
+            f"{'read' if mode & stat.S_IROTH else 'change'} the key (chmod o-rwx {path})"
+        )
+    group = stat.S_IWGRP | stat.S_IXGRP | (0 if group_may_read else stat.S_IRGRP)
+    if mode & group:
+        fix = "g-wx" if group_may_read else "g-rwx"
+        return f"mode {stat.S_IMODE(mode):04o}: its group has access (chmod {fix} {path})"
+    return None
+
+
 def default_key_path() -> Path:
     """`$XDG_CONFIG_HOME/edge-agent/client-key` (default `~/.config/...`).
 
@@ -73,7 +99,11 @@ def load_or_create_key(path: Path) -> str:
     starting at once end up with the same key.
     """
     with contextlib.suppress(FileNotFoundError):
-        return check_key(path.read_text().strip())
+        key = check_key(path.read_text().strip())
+        loose = loose_key_file(path, group_may_read=False)
+        if loose:
+            log.warning("client key %s: %s", path, loose)
+        return key
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
