@@ -238,7 +238,13 @@ def test_bad_requests_are_400_with_openai_errors(
 
 
 def test_engine_errors_and_bad_json(daemon: Daemon, sock: Path) -> None:
-    r = raw(sock, "POST", "/v1/completions", content=b"{not json")
+    r = raw(
+        sock,
+        "POST",
+        "/v1/completions",
+        content=b"{not json",
+        headers={"Content-Type": "application/json"},  # else a 415 (agent.http.body)
+    )
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     long = "word " * 4000  # beyond the tiny model's context
     r = raw(sock, "POST", "/v1/completions", json={"prompt": long, "max_tokens": 4})
