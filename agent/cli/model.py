@@ -70,6 +70,7 @@ def _import_progress() -> Callable[[str, int, int], None]:
 def cmd_model_import(args: argparse.Namespace) -> int:
     from agent.modelimport import import_model
 
+    decided: list[str] = []
     meta = import_model(
         Path(args.src),
         Path(args.output),
@@ -77,7 +78,11 @@ def cmd_model_import(args: argparse.Namespace) -> int:
         version=args.version,
         files=args.file,
         progress=_import_progress(),
+        allow_no_stop=args.allow_no_stop,
+        decided=decided,
     )
+    for line in decided:
+        print(f"import: {line}")
     variants = ", ".join(f"{v.file} ({v.quantization})" for v in meta.variants)
     print(
         f"{meta.directory}: {meta.name} {meta.version}, context {meta.context_length}, "
@@ -169,6 +174,11 @@ def add_model_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--version", help="model version (default: the bundle's, else 0)")
     p.add_argument(
         "--file", action="append", default=[], help="import only this .tflite (repeatable)"
+    )
+    p.add_argument(
+        "--allow-no-stop",
+        action="store_true",
+        help="import a model that names no stop token (its generations end only at the limit)",
     )
     p.set_defaults(func=cmd_model_import)
     add_delta_commands(msub)

@@ -32,6 +32,15 @@ def from_bundle(
     (tmp / tok_name).write_bytes(data)
     ids = resolve(info, tmp / tok_name, str(src))
     given = bundle.system_item("version")
+    meta = f"{src.name}'s LlmMetadata"
+    decided = [
+        f"bos_id {ids.bos_id if ids.bos_id is not None else 'none'} from {meta} (start token)",
+        f"add_bos {str(ids.bos_id is not None).lower()} from {meta} (a start token is added)",
+        f"eos_id {ids.eos_id if ids.eos_id is not None else 'none'} from {meta}",
+        "stop_token_ids "
+        + (", ".join(str(i) for i in ids.stop_ids) or "none")
+        + f" from {meta} (stop tokens)",
+    ]
     return Draft(
         name=name or src.name.removesuffix(".litertlm"),
         version=version or (str(given) if given is not None else "0"),
@@ -45,6 +54,7 @@ def from_bundle(
         generation=dict(info.generation),
         variants=[(file, quant)],
         sha256={file: sha},
+        decided=decided,
     )
 
 

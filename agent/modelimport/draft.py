@@ -28,6 +28,7 @@ class Draft:
     generation: dict[str, float] = field(default_factory=dict)
     variants: list[tuple[str, str]] = field(default_factory=list)
     sha256: dict[str, str] = field(default_factory=dict)
+    decided: list[str] = field(default_factory=list)  # "bos_id 1 '<s>' from tokenizer.model"
 
 
 def copy_hashed(src: Path, dst: Path, progress: Progress | None = None) -> str:

@@ -108,6 +108,76 @@ def _generation(gen: dict[str, Any] | None, where: Path) -> dict[str, float]:
     return out
 
 
+def _special_ids(
+    draft: Draft,
+    src: Path,
+    vocab: Vocab,
+    tok_config: dict[str, Any] | None,
+    gen: dict[str, Any] | None,
+    config: dict[str, Any] | None,
+) -> None:
+    """BOS, EOS, the stop ids and whether to add BOS, each from the first file that states it:
+    ``tokenizer_config.json`` (token strings, ``add_bos_token``), ``generation_config.json``,
+    ``config.json``, and last the tokenizer itself (a SentencePiece model defines its own BOS
+    and EOS ids). Every decision and its source go into `draft.decided`."""
+    tc_where = src / "tokenizer_config.json"
+    gen_where = src / "generation_config.json"
+    cfg_where = src / "config.json"
+    tok_name = vocab.path.name
+    bos_text = None if tok_config is None else _token_text(tok_config, "bos_token", tc_where)
+    eos_text = None if tok_config is None else _token_text(tok_config, "eos_token", tc_where)
+    gen_eos = _ids(gen, "eos_token_id", gen_where)
+    cfg_eos = _config_ids(config, "eos_token_id", cfg_where)
+    bos_from = eos_from = ""
+    if bos_text is not None:
+        draft.bos_id, bos_from = vocab.require(bos_text, f"{tc_where}: bos_token"), tc_where.name
+    elif tok_config is not None and "bos_token" in tok_config:  # null: the tokenizer has none
+        draft.bos_id, bos_from = None, f"{tc_where.name} (bos_token: null)"
+    elif bos := _ids(gen, "bos_token_id", gen_where):
+        draft.bos_id, bos_from = bos[0], gen_where.name
+    elif bos := _config_ids(config, "bos_token_id", cfg_where):
+        draft.bos_id, bos_from = bos[0], cfg_where.name
+    elif (own := vocab.own_ids()[0]) is not None:
+        draft.bos_id, bos_from = own, tok_name
+    if eos_text is not None:
+        draft.eos_id, eos_from = vocab.require(eos_text, f"{tc_where}: eos_token"), tc_where.name
+    elif gen_eos or cfg_eos:
+        draft.eos_id = (gen_eos or cfg_eos)[0]
+        eos_from = gen_where.name if gen_eos else cfg_where.name
+    elif (own := vocab.own_ids()[1]) is not None:
+        draft.eos_id, eos_from = own, tok_name
+    more = gen_eos if gen is not None else cfg_eos
+    eos_first = [] if draft.eos_id is None else [draft.eos_id]
+    draft.stop_token_ids = list(dict.fromkeys([*eos_first, *more]))
+    for what, i in (("bos", draft.bos_id), *(("stop", s) for s in draft.stop_token_ids)):
+        if i is not None and not 0 <= i < vocab.size:
+            raise ModelFormatError(
+                f"{src}: {what} token id {i} is outside the tokenizer's {vocab.size} tokens"
+            )
+    add_bos = None if tok_config is None else tok_config.get("add_bos_token")
+    if add_bos is not None and not isinstance(add_bos, bool):
+        raise ModelFormatError(f"{tc_where}: add_bos_token = {add_bos!r} should be true or false")
+    if add_bos and draft.bos_id is None:
+        raise ModelFormatError(f"{tc_where}: add_bos_token is true but there is no bos_token")
+    add_from = f"{tc_where.name} (add_bos_token)"
+    if add_bos is None:
+        add_bos = draft.bos_id is not None and vocab.adds_bos(draft.bos_id)
+        add_from = f"{tok_name} (its encoding rule)" if draft.bos_id is not None else "no BOS"
+    draft.add_bos = add_bos
+    draft.decided = [
+        f"bos_id {_named(vocab, draft.bos_id)} from {bos_from or 'nowhere: no file names one'}",
+        f"add_bos {str(add_bos).lower()} from {add_from}",
+        f"eos_id {_named(vocab, draft.eos_id)} from {eos_from or 'nowhere: no file names one'}",
+        "stop_token_ids "
+        + (", ".join(_named(vocab, i) for i in draft.stop_token_ids) or "none")
+        + (f" (with {gen_where.name if gen is not None else cfg_where.name})" if more else ""),
+    ]
+
+
+def _named(vocab: Vocab, i: int | None) -> str:
+    return "none" if i is None else f"{i} {vocab.piece(i)!r}"
+
+
 def _pick_tflite(src: Path, files: Sequence[str]) -> list[Path]:
     found = sorted(p for p in src.iterdir() if p.suffix == ".tflite" and p.is_file())
     if files:
@@ -175,41 +245,7 @@ def from_folder(
             f"is {vocab_size}"
         )
 
-    tc_where = src / "tokenizer_config.json"
-    gen_where = src / "generation_config.json"
-    cfg_where = src / "config.json"
-    bos_text = None if tok_config is None else _token_text(tok_config, "bos_token", tc_where)
-    eos_text = None if tok_config is None else _token_text(tok_config, "eos_token", tc_where)
-    gen_eos = _ids(gen, "eos_token_id", gen_where)
-    cfg_eos = _config_ids(config, "eos_token_id", cfg_where)
-    if bos_text is not None:
-        draft.bos_id = vocab.require(bos_text, f"{tc_where}: bos_token")
-    elif tok_config is not None and "bos_token" in tok_config:  # null: the tokenizer has none
-        draft.bos_id = None
-    else:
-        bos = _ids(gen, "bos_token_id", gen_where) or _config_ids(config, "bos_token_id", cfg_where)
-        draft.bos_id = bos[0] if bos else None
-    if eos_text is not None:
-        draft.eos_id = vocab.require(eos_text, f"{tc_where}: eos_token")
-    else:
-        eos = gen_eos or cfg_eos
-        draft.eos_id = eos[0] if eos else None
-    more = gen_eos if gen is not None else cfg_eos
-    eos_first = [] if draft.eos_id is None else [draft.eos_id]
-    draft.stop_token_ids = list(dict.fromkeys([*eos_first, *more]))
-    for what, i in (("bos", draft.bos_id), *(("stop", s) for s in draft.stop_token_ids)):
-        if i is not None and not 0 <= i < vocab.size:
-            raise ModelFormatError(
-                f"{src}: {what} token id {i} is outside the tokenizer's {vocab.size} tokens"
-            )
-    add_bos = None if tok_config is None else tok_config.get("add_bos_token")
-    if add_bos is not None and not isinstance(add_bos, bool):
-        raise ModelFormatError(f"{tc_where}: add_bos_token = {add_bos!r} should be true or false")
-    if add_bos and draft.bos_id is None:
-        raise ModelFormatError(f"{tc_where}: add_bos_token is true but there is no bos_token")
-    if add_bos is None:
-        add_bos = draft.bos_id is not None and vocab.adds_bos(draft.bos_id)
-    draft.add_bos = add_bos
+    _special_ids(draft, src, vocab, tok_config, gen, config)
 
     for quant, path in sorted(by_quant.items()):
         draft.sha256[path.name] = copy_hashed(path, tmp / path.name, progress)

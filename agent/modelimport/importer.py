@@ -18,6 +18,7 @@ from agent.modelimport.draft import Progress
 from agent.modelimport.folder import from_folder
 
 log = logging.getLogger(__name__)
+_SOURCES = "tokenizer_config.json, generation_config.json, config.json or the tokenizer"
 
 
 def _check_target(out: Path) -> None:
@@ -37,15 +38,19 @@ def import_model(
     version: str | None = None,
     files: Sequence[str] = (),
     progress: Progress | None = None,
+    allow_no_stop: bool = False,
+    decided: list[str] | None = None,
 ) -> ModelMeta:
     """Write the model directory `out` from `src` (a `.litertlm` or a download folder).
 
     `files` picks which `.tflite` files of a folder to import (default: all of them).
+    A model with no stop token would never end a generation: it is refused unless
+    `allow_no_stop`. `decided`, when given, receives one line per token fact and its source.
     Raises `ModelFormatError` naming the file and what is wrong (an unreadable source file,
     an unwritable target too); `out` is then untouched.
     """
     try:
-        return _import(src, out, name, version, files, progress)
+        return _import(src, out, name, version, files, progress, allow_no_stop, decided)
     except OSError as exc:
         raise ModelFormatError(f"{exc.filename or out}: {exc.strerror or exc}") from exc
 
@@ -57,6 +62,8 @@ def _import(
     version: str | None,
     files: Sequence[str],
     progress: Progress | None,
+    allow_no_stop: bool,
+    decided: list[str] | None,
 ) -> ModelMeta:
     from agent.runtime.litertlm import is_litertlm
 
@@ -76,6 +83,14 @@ def _import(
             if bundle
             else from_folder(src, tmp, name, version, files, progress)
         )
+        if decided is not None:
+            decided.extend(draft.decided)
+        if not draft.stop_token_ids and not allow_no_stop:
+            raise ModelFormatError(
+                f"{src}: no stop token (no EOS in {_SOURCES if not bundle else 'its LlmMetadata'}"
+                "): every generation would run to its token limit; name one in the source, or "
+                "import anyway with --allow-no-stop"
+            )
         write_model_dir_metadata(
             tmp,
             name=draft.name,

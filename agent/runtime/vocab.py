@@ -47,6 +47,20 @@ class Vocab:
             return None
         return i
 
+    def own_ids(self) -> tuple[int | None, int | None]:
+        """(BOS, EOS) as the tokenizer file itself defines them: a SentencePiece model carries
+        both ids (-1 when it has none); a ``tokenizer.json`` names no such roles."""
+        if self._sp is None:
+            return None, None
+        bos, eos = int(self._sp.bos_id()), int(self._sp.eos_id())
+        return (bos if bos >= 0 else None), (eos if eos >= 0 else None)
+
+    def piece(self, i: int) -> str:
+        """The token `i` as text (for messages)."""
+        if self._hf is not None:
+            return str(self._hf.id_to_token(i))
+        return str(self._sp.id_to_piece(i))
+
     def require(self, token: str, where: str) -> int:
         """`id(token)`, or an error naming `where` the token came from."""
         found = self.id(token)
