@@ -285,6 +285,26 @@ def write_model_dir_metadata(
     return target
 
 
+def model_digest(files: Mapping[str, str]) -> str:
+    """One sha256 for what defines a model: ``metadata.json``, its tokenizer and every variant,
+    given as file name -> sha256 (hex of ``"<name> <sha256>\n"`` lines in name order). A device
+    reports it for the directory it serves and a rollout computes it from a manifest's file
+    list, so "already on target" means every defining file, not only the weights."""
+    lines = "".join(f"{name} {sha}\n" for name, sha in sorted(files.items()))
+    return hashlib.sha256(lines.encode("utf-8")).hexdigest()
+
+
+def defining_files(meta: ModelMeta) -> dict[str, str]:
+    """`model_digest`'s input for a model directory: the variants' sha256 as its metadata
+    records them (the served one is checked at load), the tokenizer's and metadata.json's
+    hashed here (small files)."""
+    files = {v.file: v.sha256 for v in meta.variants}
+    for name in (meta.tokenizer, METADATA_FILE):
+        if (meta.directory / name).is_file():  # a .litertlm's extraction has no metadata.json
+            files[name] = sha256_file(meta.directory / name)
+    return files
+
+
 def demo_model_dir() -> Path:
     """The demo model shipped inside the package (`agent.shipped.demo_model`)."""
     from agent.shipped import demo_model

@@ -55,6 +55,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import platform
@@ -79,7 +80,7 @@ from agent.errors import AgentError
 from agent.fleet.agent import FleetAgent
 from agent.fleet.link import FleetLink
 from agent.fleet.mqtt import MqttOptions, new_client
-from agent.modeldir import load_model_dir, write_model_dir_metadata
+from agent.modeldir import defining_files, load_model_dir, model_digest, write_model_dir_metadata
 from agent.ota import keys
 from agent.ota.bundle import make_bundle
 from agent.ota.fetch import BlockSource
@@ -154,6 +155,12 @@ def make_model_dir(
         variants=[("model_int8.tflite", "int8")],
     )
     return directory
+
+
+@functools.lru_cache(maxsize=64)
+def _digest_of(model_dir: str) -> str:
+    """What a real engine reports (`agent.modeldir.model_digest`), once per directory."""
+    return model_digest(defining_files(load_model_dir(Path(model_dir))))
 
 
 def model_ref(directory: Path, version: int = 0) -> ModelRef:
@@ -368,6 +375,7 @@ class SimEngine:
     def model_info(self) -> ModelInfo:
         ref = self.serving
         return ModelInfo(
+            digest=_digest_of(ref.model_dir),
             name=self._name,
             version=ref.label or str(ref.version),
             quantization=ref.quantization,

@@ -54,6 +54,7 @@ INVENTORY_KEYS = {
     "model",
     "version",
     "sha256",
+    "digest",
     "quantization",
     "profile",
     "arch",
@@ -212,8 +213,11 @@ def test_watch_group_shows_only_that_group(
     )
     live.start()
     try:
-        deadline = time.monotonic() + 10
-        while "dev-b1" not in out.getvalue() and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60  # a limit: until the last frame shows the device
+        while time.monotonic() < deadline:
+            frame = out.getvalue().rsplit("\x1b[H", 1)[-1]
+            if "dev-b1" in frame and "group 'beta': 1 device: 1 online" in frame:
+                break
             time.sleep(0.1)
     finally:
         stop.set()

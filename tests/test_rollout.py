@@ -268,7 +268,7 @@ def test_an_operator_killed_mid_rollout_resumes_without_offering_twice(
         (["--id", "../x"], "rollout id"),
         (["--min-devices", "0"], "--min-devices"),
         (["--target", "group:"], "--target"),
-        (["--target", "all", "dev-1"], "--target"),
+        (["--target", "all,dev-1"], "--target"),
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2_before_anything_is_written(

@@ -153,15 +153,23 @@ def test_the_order_is_the_sha256_of_rollout_and_device_id() -> None:
 
 def test_devices_on_the_target_already_are_done_and_never_offered() -> None:
     seen = online([f"d{i}" for i in range(10)])
-    seen["d3"] = dataclasses.replace(seen["d3"], sha256="ab" * 32)  # the manifest's target
+    target = "ab" * 32
+    # an older agent (no digest): the weights AND the name and version
+    seen["d3"] = dataclasses.replace(seen["d3"], sha256=target, version="1.1.0")
     seen["d4"] = dataclasses.replace(seen["d4"], sha256="", version="1.1.0")  # name + version
-    r, offers = run(plan.create(spec(), T0), seen)
+    # the same weights under the old version: a metadata-only update is not done there
+    seen["d5"] = dataclasses.replace(seen["d5"], sha256=target)
+    # a digest decides where both sides know one: equal is done, other is offered
+    seen["d6"] = dataclasses.replace(seen["d6"], sha256=target, digest="cd" * 32)
+    seen["d7"] = dataclasses.replace(seen["d7"], sha256=target, version="1.1.0", digest="ef" * 32)
+    r, offers = run(plan.create(spec(target_digest="cd" * 32), T0), seen)
     assert r.state == State.COMPLETED
-    assert {d for _, d in offers} == set(seen) - {"d3", "d4"}
+    assert {d for _, d in offers} == set(seen) - {"d3", "d4", "d6"}
     statuses = {d.device_id: d.status for d in r.devices}
-    assert statuses["d3"] == statuses["d4"] == Status.ALREADY
+    assert statuses["d3"] == statuses["d4"] == statuses["d6"] == Status.ALREADY
+    assert statuses["d5"] == statuses["d7"] == Status.COMMITTED
     rep = report(r)
-    assert rep.already == 2 and rep.offered == 8 and rep.committed == 8
+    assert rep.already == 3 and rep.offered == 7 and rep.committed == 7
 
 
 def test_a_group_target_offers_that_group_only_and_offline_devices_wait() -> None:

@@ -27,6 +27,7 @@ from agent.cli.fleet_common import (
     _Usage,
 )
 from agent.errors import AgentError
+from agent.fleet.mqtt import MqttOptions
 
 DEFAULT_WAVES: Final = "1%,10%,50%,100%"
 
@@ -67,17 +68,13 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _run(args: argparse.Namespace, rollout_id: str, *, resume: bool) -> int:
+def _run(args: argparse.Namespace, opts: MqttOptions, rollout_id: str, *, resume: bool) -> int:
     from agent.fleet.operator_link import FleetError
     from agent.fleet.rollout import run_rollout
     from agent.fleet.rollout_state import RolloutError
     from agent.fleet.rollout_store import RolloutBusy
     from agent.ota.bundle import BundleError
 
-    try:
-        opts, _ = _connection(args)
-    except (_Usage, AgentError) as exc:
-        return _fail(str(exc))
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else None
     # SIGTERM (kill, a CI job's timeout, systemd) ends the run as Ctrl-C does: offers that
     # never left are taken back and the state is saved for `resume`
@@ -115,7 +112,7 @@ def cmd_rollout_start(args: argparse.Namespace) -> int:
     from agent.ota.bundle import BundleError
 
     try:
-        _, fleet = _connection(args)
+        opts, fleet = _connection(args)
         prefix = args.prefix or fleet.topic_prefix
         if not _good_prefix(prefix):
             raise _Usage(f"--prefix {prefix!r}: topic levels without wildcards, e.g. fleet/v1")
@@ -124,7 +121,7 @@ def cmd_rollout_start(args: argparse.Namespace) -> int:
         r = create_rollout(
             rollouts_dir(args),
             Path(args.bundle),
-            Target.parse(args.target),
+            Target.parse([d for value in args.target for d in value.split(",")]),
             parse_waves(args.waves),
             prefix=prefix,
             min_devices=args.min_devices,
@@ -132,11 +129,12 @@ def cmd_rollout_start(args: argparse.Namespace) -> int:
             wave_timeout_s=_duration("--wave-timeout", args.wave_timeout, zero_ok=False),
             soak_s=_duration("--soak", args.soak, zero_ok=True),
             rollout_id=args.id,
+            connection=opts.to_pairs(),
         )
     except (AgentError, BundleError, OSError) as exc:
         return _fail(str(exc))
     print(f"rollout {r.spec.rollout_id}: update {r.spec.update_id}", file=sys.stderr, flush=True)
-    return _run(args, r.spec.rollout_id, resume=False)
+    return _run(args, opts, r.spec.rollout_id, resume=False)
 
 
 def cmd_rollout_resume(args: argparse.Namespace) -> int:
@@ -147,9 +145,27 @@ def cmd_rollout_resume(args: argparse.Namespace) -> int:
         r = load_rollout(rollouts_dir(args), args.rollout_id)
         if r.state in FINAL_STATES:
             raise RolloutError(f"rollout {args.rollout_id} is {r.state}; it cannot resume")
-    except (RolloutError, OSError) as exc:
+        opts = _resume_connection(args, r.spec.connection)
+    except (RolloutError, OSError, _Usage, AgentError) as exc:
         return _fail(str(exc))
-    return _run(args, args.rollout_id, resume=True)
+    return _run(args, opts, args.rollout_id, resume=True)
+
+
+def _resume_connection(args: argparse.Namespace, kept: tuple[tuple[str, str], ...]) -> MqttOptions:
+    """The connection the rollout started with (broker, protocol, TLS files, username), kept
+    in its state; `--broker` given now replaces it whole, and says so."""
+    if not kept or args.broker:
+        opts, _ = _connection(args)
+        if kept:
+            was = dict(kept).get("broker", "?")
+            print(
+                f"edge-agent: resuming on {opts.broker.url()} as given (the rollout started "
+                f"on {was})",
+                file=sys.stderr,
+                flush=True,
+            )
+        return opts
+    return MqttOptions.from_pairs(kept, f"rollout {args.rollout_id}'s state")
 
 
 def cmd_rollout_status(args: argparse.Namespace) -> int:
@@ -234,10 +250,10 @@ def add_rollout_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     p.add_argument("bundle", metavar="BUNDLE", help="a bundle from `edge-agent update make`")
     p.add_argument(
         "--target",
-        nargs="+",
+        action="append",
         required=True,
         metavar="T",
-        help="all | group:NAME | DEVICE [DEVICE ...]",
+        help="all | group:NAME | DEVICE[,DEVICE...] (one value; repeat --target to add devices)",
     )
     p.add_argument(
         "--waves",

@@ -10,7 +10,7 @@ from pathlib import Path
 from agent.engine.chat import ChatTemplate, end_of_turn_ids, template_for
 from agent.engine.stats import ModelInfo
 from agent.errors import ModelFormatError
-from agent.modeldir import ModelMeta, Variant, sha256_file
+from agent.modeldir import ModelMeta, Variant, defining_files, model_digest, sha256_file
 from agent.profile import DeviceProfile, choose_quantization
 from agent.runtime import litert
 from agent.runtime.cachefiles import parse_cache
@@ -97,6 +97,7 @@ def load_model(
         kvc.host_max_bytes + kvc.prefix_max_bytes,
     )
     info = ModelInfo(
+        digest=model_digest(defining_files(meta)),
         name=meta.name,
         version=meta.version,
         quantization=quant,

@@ -43,6 +43,7 @@ class StateInfo:
     model: str  # "name version quantization"
     timestamp_unix: float
     model_sha256: str = ""
+    model_digest: str = ""  # agent.modeldir.model_digest: every defining file
     group: str = ""
     tags: tuple[str, ...] = ()
     arch: str = ""
@@ -87,6 +88,7 @@ class HealthInfo:
     model_version: str = ""
     model_quantization: str = ""
     model_sha256: str = ""
+    model_digest: str = ""
     update_id: str = ""
     group: str = ""
     tags: tuple[str, ...] = ()
@@ -114,6 +116,7 @@ def _state(m: pb.DeviceState, device_id: str) -> StateInfo:
         model=m.model,
         timestamp_unix=m.timestamp_unix,
         model_sha256=m.model_sha256,
+        model_digest=m.model_digest,
         group=m.group,
         tags=tuple(m.tags),
         arch=m.arch,
@@ -177,6 +180,7 @@ def health_info(m: pb.Health, device_id: str | None = None) -> HealthInfo:
         model_version=ref.version,
         model_quantization=ref.quantization,
         model_sha256=ref.sha256,
+        model_digest=ref.digest,
         update_id=upd.update_id,
         group=m.group,
         tags=tuple(m.tags),

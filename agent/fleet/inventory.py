@@ -44,6 +44,7 @@ class InventoryRow:
     session: int = 0  # the newest connection session seen in state or health
     update_id: str = ""  # the last update's id
     update_to_version: str = ""  # ... and the version it was going to
+    digest: str = ""  # agent.modeldir.model_digest of the serving model ("" from old agents)
 
 
 def inventory(view: FleetView, group: str | None = None) -> dict[str, InventoryRow]:
@@ -57,7 +58,7 @@ def inventory(view: FleetView, group: str | None = None) -> dict[str, InventoryR
 
 def inventory_row(d: Device) -> InventoryRow:
     st, h = d.state, d.health
-    name, version, quantization, sha = _model(st, h, newer_is_health(d))
+    name, version, quantization, sha, digest = _model(st, h, newer_is_health(d))
     first, second = (h, st) if newer_is_health(d) else (st, h)
     presence, _ = presence_of(d)
     return InventoryRow(
@@ -77,6 +78,7 @@ def inventory_row(d: Device) -> InventoryRow:
         session=max(st.session if st else 0, h.session if h else 0),
         update_id=h.update_id if h else "",
         update_to_version=h.update_to_version if h else "",
+        digest=digest,
     )
 
 
@@ -90,17 +92,19 @@ def _first(a: StateInfo | HealthInfo | None, b: StateInfo | HealthInfo | None, f
 
 def _model(
     st: StateInfo | None, h: HealthInfo | None, health_first: bool
-) -> tuple[str, str, str, str]:
-    """(name, version, quantization, sha256) from the newer half that names a model."""
+) -> tuple[str, str, str, str, str]:
+    """(name, version, quantization, sha256, digest) from the newer half that names a model."""
     from_health = (
-        (h.model_name, h.model_version, h.model_quantization, h.model_sha256) if h else None
+        (h.model_name, h.model_version, h.model_quantization, h.model_sha256, h.model_digest)
+        if h
+        else None
     )
-    from_state = (*split_model(st.model), st.model_sha256) if st else None
+    from_state = (*split_model(st.model), st.model_sha256, st.model_digest) if st else None
     order = (from_health, from_state) if health_first else (from_state, from_health)
     for candidate in order:
         if candidate is not None and (candidate[0] or candidate[3]):
             return candidate
-    return "", "", "", ""
+    return "", "", "", "", ""
 
 
 def split_model(text: str) -> tuple[str, str, str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import ssl
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,6 +31,7 @@ from agent.fleet.codec import (
     format_indicator,
     parse_content_type,
 )
+from agent.fleetconfig import BROKER_FORMAT, parse_broker
 
 CONTENT_TYPE_KEY = "content-type"  # the user property older operator tools read
 M = TypeVar("M", bound=ProtoMessage)
@@ -58,6 +60,38 @@ class MqttOptions:
     @property
     def v5(self) -> bool:
         return self.protocol == "5"
+
+    def to_pairs(self) -> tuple[tuple[str, str], ...]:
+        """Every field as text (the broker as its URL, unset ones left out): what a rollout's
+        state keeps so that `resume` connects as `start` did. No secret is in it: the password
+        stays in its file."""
+        out = [("broker", self.broker.url())]
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Path):
+                value = value.resolve()  # a resume may run from another directory
+            if f.name != "broker" and value is not None:
+                out.append((f.name, str(value)))
+        return tuple(out)
+
+    @classmethod
+    def from_pairs(cls, pairs: Iterable[tuple[str, str]], source: str) -> MqttOptions:
+        """`to_pairs` read back; `source` names where they came from in an error."""
+        got = dict(pairs)
+        if "broker" not in got:
+            raise ConfigError(source, "connection.broker", None, BROKER_FORMAT)
+        paths = ("ca_file", "cert_file", "key_file", "password_file")
+        try:
+            return cls(
+                broker=parse_broker(source, "broker", got["broker"]),
+                protocol=got.get("protocol", "5"),
+                keepalive_s=int(got.get("keepalive_s", "60")),
+                encoding=got.get("encoding", PROTOBUF),
+                username=got.get("username"),
+                **{p: Path(got[p]) if p in got else None for p in paths},
+            )
+        except ValueError as exc:  # keepalive_s
+            raise ConfigError(source, "connection", got, f"a kept connection ({exc})") from exc
 
 
 def new_client(client_id: str, opts: MqttOptions, *, persistent: bool) -> mqtt.Client:

@@ -326,6 +326,7 @@ def inventory_json(rows: Mapping[str, InventoryRow], now: float) -> list[dict[st
             "model": r.model,
             "version": r.version,
             "sha256": r.sha256,
+            "digest": r.digest,
             "quantization": r.quantization,
             "profile": r.profile,
             "arch": r.arch,

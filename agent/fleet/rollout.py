@@ -35,6 +35,8 @@ the state before every offer, and sends the offers (`agent.fleet.publish.Offer`)
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import re
 import threading
@@ -62,7 +64,9 @@ from agent.fleet.rollout_state import (
 )
 from agent.fleet.rollout_store import RolloutBusy, RolloutStore
 from agent.fleet.rollout_view import RolloutView
+from agent.modeldir import METADATA_FILE, model_digest
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 __all__ = [
     "RolloutBusy",
@@ -93,6 +97,19 @@ Lines = Callable[[str], None]
 _COMMANDS: Final = {"pause": plan.pause, "abort": plan.abort, "retry": plan.retry_failed}
 
 
+def manifest_digest(m: opb.Manifest) -> str:
+    """`agent.modeldir.model_digest` of the model directory the manifest describes (its
+    metadata.json, the tokenizer and the variants it names); "" if the manifest does not say."""
+    try:
+        meta = json.loads(m.metadata_json)
+        names = {METADATA_FILE, str(meta["tokenizer"])}
+        names |= {str(v["file"]) for v in meta["variants"]}
+    except (ValueError, KeyError, TypeError):
+        return ""
+    files = {f.name: f.sha256 for f in m.files if f.name in names}
+    return model_digest(files) if set(files) == names else ""
+
+
 def default_id(update_id: str, now: float) -> str:
     stem = re.sub(r"[^A-Za-z0-9._-]", "-", update_id).strip("-._")[:60] or "rollout"
     return f"{stem}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(now))}"
@@ -111,9 +128,11 @@ def create_rollout(
     soak_s: float = 600.0,
     rollout_id: str | None = None,
     clock: Clock = time.time,
+    connection: tuple[tuple[str, str], ...] = (),
 ) -> Rollout:
     """Read the bundle (BundleError if it does not read) and write a new rollout (RolloutError
-    if its id exists); nothing is sent."""
+    if its id exists); nothing is sent. `connection` (`MqttOptions.to_pairs`) is kept in the
+    state, so that `resume` reaches the same broker the same way."""
     _, manifest, _ = read_offer(bundle)
     now = clock()
     if min_devices < 1:
@@ -126,6 +145,8 @@ def create_rollout(
         model_name=manifest.model_name,
         version_label=manifest.version_label,
         target_sha256=manifest.target_model_sha256,
+        target_digest=manifest_digest(manifest),
+        connection=connection,
         target=target,
         waves=waves,
         min_devices=min_devices,
@@ -358,10 +379,16 @@ class _Driver:
                     break
                 link.pump(TICK_S)
             if not self.r.devices and not plan.target_ids(spec, self.view.seen):
-                raise RolloutError(
+                why = (
                     f"no device under {self.prefix} matches --target {spec.target.describe()}; "
                     "nothing was offered"
                 )
+                # final, so that it is not listed as running forever
+                self.r = dataclasses.replace(
+                    self.r, state=State.ABORTED, reason=why, updated_unix=self.clock()
+                )
+                self.save()
+                raise RolloutError(why)
             polled = 0.0
             while stop is None or not stop.is_set():
                 if time.monotonic() - polled >= REQUEST_POLL_S:

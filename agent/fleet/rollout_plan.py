@@ -43,6 +43,7 @@ class Seen:
     model_name: str = ""
     version: str = ""  # the serving model's version label
     sha256: str = ""  # the serving model variant's sha256
+    digest: str = ""  # agent.modeldir.model_digest of what it serves ("" from older agents)
 
     @property
     def online(self) -> bool:
@@ -96,13 +97,17 @@ def in_target(spec: Spec, seen: Seen) -> bool:
 
 
 def already_done(spec: Spec, seen: Seen) -> bool:
-    """The device serves the update's target: its sha256, or its model name and version."""
-    if spec.target_sha256 and seen.sha256:
-        return seen.sha256 == spec.target_sha256
-    return bool(spec.version_label) and (seen.model_name, seen.version) == (
-        spec.model_name,
-        spec.version_label,
-    )
+    """The device serves the whole target: every file that defines the model (the digest of
+    metadata.json, tokenizer and variants), where both sides know it. Otherwise (an agent
+    that reports no digest, an old state file) its weights' sha256 AND its name and version:
+    the same weights under an older version (a template or stop-token fix) are not done."""
+    if spec.target_digest and seen.digest:
+        return seen.digest == spec.target_digest
+    known_weights = bool(spec.target_sha256 and seen.sha256)
+    if not spec.version_label:  # nothing but the weights to go by
+        return known_weights and seen.sha256 == spec.target_sha256
+    same_label = (seen.model_name, seen.version) == (spec.model_name, spec.version_label)
+    return same_label and (not known_weights or seen.sha256 == spec.target_sha256)
 
 
 def target_ids(spec: Spec, seen: Mapping[str, Seen]) -> set[str]:

@@ -137,6 +137,10 @@ class Spec:
     soak_s: float
     prefix: str
     created_unix: float
+    # agent.modeldir.model_digest of the target directory ("" from an older state file)
+    target_digest: str = ""
+    # how this rollout reaches its broker (agent.fleet.mqtt.MqttOptions.to_pairs): resume uses it
+    connection: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +219,8 @@ def to_json(r: Rollout) -> dict[str, Any]:
             "soak_s": s.soak_s,
             "prefix": s.prefix,
             "created_unix": s.created_unix,
+            "target_digest": s.target_digest,
+            "connection": dict(s.connection),
         },
         "state": r.state.value,
         "reason": r.reason,
@@ -259,6 +265,8 @@ def from_json(doc: Any, source: str) -> Rollout:
             soak_s=float(s["soak_s"]),
             prefix=str(s["prefix"]),
             created_unix=float(s["created_unix"]),
+            target_digest=str(s.get("target_digest", "")),
+            connection=tuple((str(k), str(v)) for k, v in s.get("connection", {}).items()),
         )
         waves = tuple(
             Wave(int(w["index"]), float(w["fraction"]), float(w["started_unix"]),

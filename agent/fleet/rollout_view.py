@@ -49,7 +49,13 @@ class RolloutView:
             else:
                 row = inventory_row(d)
                 self.seen[p.device] = Seen(
-                    p.device, row.presence.value, row.group, row.model, row.version, row.sha256
+                    p.device,
+                    row.presence.value,
+                    row.group,
+                    row.model,
+                    row.version,
+                    row.sha256,
+                    row.digest,
                 )
         if p.kind != "health" or not payload:
             return p.device, None
