@@ -315,23 +315,26 @@ def cmd_dropin(args: argparse.Namespace) -> int:
     return 0
 
 
-def _default_exec_start(root: Path) -> str | None:
-    """A venv install has no /usr/bin/edge-agent: point ExecStart at this environment's script."""
-    if (root / DEFAULT_EXEC_START.split()[0].lstrip("/")).exists():
-        return None
+def _default_exec_start() -> tuple[str, str]:
+    """ExecStart when none is given: the running environment's own script (a venv install has
+    no /usr/bin/edge-agent), else the one on PATH, else the unit's; with where it came from."""
     script = Path(sys.prefix) / "bin" / "edge-agent"
-    return f"{script} run" if script.exists() else None
+    if script.is_file():
+        return f"{script} run", f"the running environment, {sys.prefix}"
+    found = shutil.which("edge-agent")
+    if found:
+        return f"{found} run", "the edge-agent on PATH"
+    return DEFAULT_EXEC_START, "the unit's default; no edge-agent script was found"
 
 
 def cmd_install(args: argparse.Namespace) -> int:
     """``edge-agent systemd install``: write unit, drop-in and sysusers entry; reload systemd."""
     profile = _profile_of(args)
     root = Path(args.root)
-    exec_start = args.exec_start
-    if exec_start is None and root.resolve() == Path("/"):
-        exec_start = _default_exec_start(root)
-        if exec_start is not None:
-            print(f"ExecStart: {exec_start} (no {DEFAULT_EXEC_START.split()[0]})")
+    exec_start, source = args.exec_start, "--exec-start"
+    if exec_start is None:
+        exec_start, source = _default_exec_start()
+    print(f"ExecStart: {exec_start} (from {source}; --exec-start changes it)")
     try:
         paths = install(
             profile,

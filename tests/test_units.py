@@ -330,3 +330,20 @@ def test_cli_install(tmp_path: Path) -> None:
     dropin = tmp_path / "etc/systemd/system/edge-agent.service.d/10-profile.conf"
     assert str(dropin) in out.splitlines()
     assert dropin.read_text() == render_dropin(shipped("generic-x86_64"), exec_start=EXEC)
+
+
+def test_cli_install_points_execstart_at_the_running_environment(tmp_path: Path) -> None:
+    """Run from a venv, with --root and no --exec-start: the unit must not start a
+    /usr/bin/edge-agent that is not there (it did, silently)."""
+    import sys
+
+    script = Path(sys.prefix) / "bin" / "edge-agent"
+    assert script.is_file()  # the test venv's own console script
+    argv = ["systemd", "install", "--profile", "generic-x86_64", "--root", str(tmp_path)]
+    rc, out = _run([*argv, "--no-reload"])
+    assert rc == 0
+    dropin = tmp_path / "etc/systemd/system/edge-agent.service.d/10-profile.conf"
+    assert unit_value(dropin.read_text(), "ExecStart") == ["", f"{script} run"]
+    said = [line for line in out.splitlines() if line.startswith("ExecStart:")]
+    assert said == [f"ExecStart: {script} run (from the running environment, {sys.prefix}; "
+                    "--exec-start changes it)"]  # fmt: skip
