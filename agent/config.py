@@ -31,7 +31,18 @@ DEFAULT_SOCKET = Path("/run/edge-agent/agent.sock")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_TARGETS = ("auto", "journald", "stderr")
 
-TOP = ("server", "limits", "model", "log", "watchdog", "sessions", "fleet", "updates", "http")
+TOP = (
+    "server",
+    "limits",
+    "model",
+    "log",
+    "watchdog",
+    "sessions",
+    "fleet",
+    "updates",
+    "http",
+    "quotas",
+)
 SERVER = (
     "socket",
     "socket_mode",
@@ -53,6 +64,7 @@ MODEL = ("path", "quantization")
 LOG = ("level", "target")
 WATCHDOG = ("engine_stall_s", "tick_s")
 SESSIONS = ("share",)
+QUOTAS = ("sessions_per_client", "session_bytes_per_client", "waiting_per_client")
 UPDATES = (
     "trusted_keys_dir",
     "trial_s",
@@ -128,6 +140,17 @@ class SessionsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class QuotasConfig:
+    """What one client key may hold (docs/CONFIG.md "[quotas]"); None: half of the shared
+    bound (limits.max_sessions, the profile's host + disk tier bytes, limits.queue_capacity),
+    or all of it when sessions are shared (one namespace: one client)."""
+
+    sessions_per_client: int | None = None
+    session_bytes_per_client: int | None = None
+    waiting_per_client: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class UpdatesConfig:
     """Signed model updates (docs/UPDATES.md); they arrive through the fleet link."""
 
@@ -196,6 +219,7 @@ class AgentConfig:
     fleet: FleetConfig = FleetConfig()
     updates: UpdatesConfig = UpdatesConfig()
     http: HttpConfig = HttpConfig()
+    quotas: QuotasConfig = QuotasConfig()
 
 
 def check_tcp(source: str, key: str, value: str, allow_remote: bool) -> str:
@@ -314,7 +338,17 @@ def parse_config(data: Mapping[str, object], source: str) -> AgentConfig:
         listen = ht.optional_text("listen")
         if listen is not None:
             http = parse_http_listen(source, "http.listen", listen, server.allow_remote_tcp, http)
-    return AgentConfig(source, server, limits, model, log, watchdog, sessions, fleet, updates, http)
+    qt = top.table("quotas", QUOTAS, required=False)
+    quotas = d.quotas
+    if qt is not None:
+        quotas = QuotasConfig(
+            sessions_per_client=qt.optional_integer("sessions_per_client", 1, 4096),
+            session_bytes_per_client=qt.optional_integer("session_bytes_per_client", 1, None),
+            waiting_per_client=qt.optional_integer("waiting_per_client", 1, 4096),
+        )
+    return AgentConfig(
+        source, server, limits, model, log, watchdog, sessions, fleet, updates, http, quotas
+    )
 
 
 def _parse_updates(t: Table) -> UpdatesConfig:

@@ -80,6 +80,19 @@ class Overloaded(AgentError):
     """The request queue is full; try again later."""
 
 
+class QuotaExceeded(Overloaded):
+    """A client is over one of its own quotas (sessions, session bytes, waiting requests); the
+    message names the quota, its value and what the client holds. Other clients are served."""
+
+    def __init__(self, quota: str, value: int, held: str, remedy: str) -> None:
+        self.quota = quota
+        self.value = value
+        super().__init__(
+            f"client over its quota: it holds {held} and quotas.{quota} = {value} per client "
+            f"key; {remedy}"
+        )
+
+
 class NotFound(AgentError):
     """A named thing (a session) does not exist."""
 

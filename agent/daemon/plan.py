@@ -97,13 +97,12 @@ def load_plan(config: AgentConfig, overrides: Overrides) -> Plan:
     for r in reasons:
         log.info("profile %s: %s", profile.name, r)
     model_dir = config.model.path or profile.model.path or demo_model_dir()
-    lim = config.limits
     directory = state_dir(overrides)
     plan = Plan(
         with_weight_cache(profile, directory),
         model_dir,
         config.model.quantization,
-        EngineLimits(lim.max_active, lim.queue_capacity, lim.max_pending_events, lim.max_sessions),
+        engine_limits(config),
         directory,
     )
     if plan.quantization is None:
@@ -111,6 +110,24 @@ def load_plan(config: AgentConfig, overrides: Overrides) -> Plan:
         quant = choose_quantization(plan.profile, [v.quantization for v in meta.variants])
         plan = dataclasses.replace(plan, quantization=quant)
     return plan
+
+
+def engine_limits(config: AgentConfig) -> EngineLimits:
+    """The engine's limits and per-client quotas from the config; with shared sessions every
+    client is the one owner "", so unset quotas are the whole bounds (no split)."""
+    lim, q = config.limits, config.quotas
+    whole = config.sessions.share
+    return EngineLimits(
+        lim.max_active,
+        lim.queue_capacity,
+        lim.max_pending_events,
+        lim.max_sessions,
+        sessions_per_client=q.sessions_per_client or (lim.max_sessions if whole else None),
+        session_bytes_per_client=q.session_bytes_per_client
+        if q.session_bytes_per_client is not None or not whole
+        else 1 << 62,
+        waiting_per_client=q.waiting_per_client or (lim.queue_capacity if whole else None),
+    )
 
 
 def with_weight_cache(profile: DeviceProfile, state_dir: Path) -> DeviceProfile:

@@ -22,7 +22,6 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from agent.engine.binding import PREFIX_BLOCK, bind, held_tokens, remember_prefix
@@ -30,6 +29,7 @@ from agent.engine.generation import Generation
 from agent.engine.intake import Intake
 from agent.engine.kvpool import KVPool
 from agent.engine.loading import load_model
+from agent.engine.quotas import ClientQuotas
 from agent.engine.request import Prepared, RequestHandle, Sink
 from agent.engine.sampler import Sampler
 from agent.engine.scheduler import Scheduler
@@ -38,6 +38,7 @@ from agent.engine.sessions import SessionStore, open_disk_tier
 from agent.engine.speculation import Acceptance, speculator_for
 from agent.engine.stats import EngineStats, Tally
 from agent.engine.types import Completion, GenerateRequest, RequestStats, TokenEvent
+from agent.engine.types import EngineLimits as EngineLimits  # where callers import it from
 from agent.errors import AgentError, NonFiniteLogits, Overloaded, SessionLost, Unavailable
 from agent.kv.prefix import PrefixCache
 from agent.profile import DeviceProfile
@@ -45,19 +46,6 @@ from agent.profile import DeviceProfile
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5  # the idle engine thread still beats this often
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLimits:
-    max_active: int = 4  # requests holding a KV slot at once (also bounded by the budget)
-    queue_capacity: int = 16  # requests waiting for a slot
-    max_pending_events: int = 64  # events a slow consumer may leave unread before a pause
-    max_sessions: int = 64  # live sessions in all tiers; also caps the bound ones
-    # A stream's tokens per event: the first token and the end go out at once, the tokens in
-    # between together once this many wait or the interval has passed (RequestHandle). 1: an
-    # event per token. On the demo model a token takes ~0.15 ms and each event ~25 us more.
-    event_tokens: int = 16
-    event_interval_s: float = 0.010
 
 
 class Engine(SessionCalls):
@@ -92,8 +80,14 @@ class Engine(SessionCalls):
         self.loaded, self.memory, self.info = model.loaded, model.memory, model.info
         self.max_sessions = self.limits.max_sessions
         self._stop_ids = model.stop_ids
-        self._sched: Scheduler[Prepared] = Scheduler(model.max_active, self.limits.queue_capacity)
         kvc = profile.kv
+        self.quotas = ClientQuotas.of(self.limits, kvc, state_dir is not None, self.info)
+        self._sched: Scheduler[Prepared] = Scheduler(
+            model.max_active,
+            self.limits.queue_capacity,
+            client=Prepared.client,
+            per_client=self.quotas.waiting,
+        )
         pool = KVPool(
             self.loaded.runner.new_kv,
             self.memory.sessions,
@@ -111,6 +105,7 @@ class Engine(SessionCalls):
             host_budget=kvc.host_max_bytes,
             disk=open_disk_tier(state_dir, sha, kvc.disk_max_bytes),
             prefix=self._prefix,
+            quotas=self.quotas,
         )
         self._pool = pool
         self._cv = threading.Condition()

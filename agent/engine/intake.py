@@ -122,6 +122,7 @@ class Intake:
         else:
             p = self._prepare_turn(request, handle, max_tokens, sampling, deadline)
         p.speculation = speculation
+        p.owner = request.owner
         return p
 
     def _prepare_turn(

@@ -124,3 +124,8 @@ class Prepared:
     truncated: int = 0  # history tokens a truncate policy dropped for this turn
     cached: int = 0  # prompt tokens whose KV came from the prefix cache
     speculation: str = "off"  # the request's, checked (agent.engine.speculation)
+    owner: str = ""  # its client (GenerateRequest.owner): the queue is fair per client
+
+    def client(self) -> str:
+        """Whose request it is, for the scheduler's fairness between clients."""
+        return self.owner

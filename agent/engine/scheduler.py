@@ -5,6 +5,11 @@ turn it is, runs one unit of it (one prefill chunk or one decoded token), and te
 scheduler when a request is done. Requests take turns round-robin, so a long generation
 cannot starve the others and a long prompt's prefill chunks interleave with other requests'
 decode steps.
+
+Admission is fair per client first: a free slot goes to the waiting client whose last
+admission is the oldest (a client with none first), and that client's oldest request. One
+client with fifty requests waiting delays another client's single request by at most one of
+its own, not fifty. Each client may keep at most `per_client` requests waiting.
 """
 
 from __future__ import annotations
@@ -13,37 +18,69 @@ from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from agent.errors import Overloaded
+from agent.errors import Overloaded, QuotaExceeded
 
 T = TypeVar("T")
 
 
-class Scheduler(Generic[T]):
-    """A bounded waiting queue in front of at most `max_running` running requests."""
+def _anyone(item: object) -> str:
+    return ""
 
-    def __init__(self, max_running: int, queue_capacity: int) -> None:
+
+class Scheduler(Generic[T]):
+    """A bounded waiting queue in front of at most `max_running` running requests; `client`
+    names the client an item belongs to (one client for all by default)."""
+
+    def __init__(
+        self,
+        max_running: int,
+        queue_capacity: int,
+        *,
+        client: Callable[[T], str] = _anyone,
+        per_client: int | None = None,
+    ) -> None:
         if max_running < 1 or queue_capacity < 0:
             raise ValueError("max_running must be >= 1 and queue_capacity >= 0")
         self.max_running = max_running
         self.queue_capacity = queue_capacity
-        self.waiting: deque[T] = deque()
+        self.per_client = queue_capacity if per_client is None else per_client
+        self.waiting: deque[T] = deque()  # in submission order
         self.running: list[T] = []
         self._cursor = 0
+        self._client = client
+        self._admissions = 0
+        # client -> number of its last admission; only clients with a request waiting or running
+        self._last: dict[str, int] = {}
 
     def submit(self, item: T) -> None:
-        """Queue a request; raises Overloaded when the queue is full."""
+        """Queue a request; raises Overloaded when the queue is full, QuotaExceeded when its
+        client already has `per_client` requests waiting."""
         if len(self.waiting) >= self.queue_capacity:
             raise Overloaded(
                 f"request queue is full ({self.queue_capacity} waiting, "
                 f"{len(self.running)} running); try again later"
             )
+        who = self._client(item)
+        mine = sum(1 for w in self.waiting if self._client(w) == who)
+        if mine >= self.per_client:
+            raise QuotaExceeded(
+                "waiting_per_client",
+                self.per_client,
+                f"{mine} requests waiting",
+                "wait for one of them to start",
+            )
         self.waiting.append(item)
 
     def admit(self) -> list[T]:
-        """Move waiting requests into free running slots (FIFO); returns the admitted ones."""
+        """Move waiting requests into free running slots, round-robin over clients; returns
+        the admitted ones."""
         admitted = []
         while self.waiting and len(self.running) < self.max_running:
-            item = self.waiting.popleft()
+            i = self._pick()
+            item = self.waiting[i]
+            del self.waiting[i]
+            self._last[self._client(item)] = self._admissions
+            self._admissions += 1
             self.running.append(item)
             admitted.append(item)
         return admitted
@@ -68,14 +105,38 @@ class Scheduler(Generic[T]):
             self._cursor %= len(self.running)
         else:
             self._cursor = 0
+        self._forget(self._client(item))
 
     def drop_waiting(self, keep: Callable[[T], bool]) -> list[T]:
         """Remove waiting requests that `keep` rejects (e.g. cancelled ones); returns them."""
         dropped = [w for w in self.waiting if not keep(w)]
         if dropped:
             self.waiting = deque(w for w in self.waiting if keep(w))
+            for who in {self._client(w) for w in dropped}:
+                self._forget(who)
         return dropped
 
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def _pick(self) -> int:
+        """Index in `waiting` of the first request of the client admitted least recently."""
+        best, best_key = 0, (0, 0)
+        seen: set[str] = set()
+        for i, item in enumerate(self.waiting):
+            who = self._client(item)
+            if who in seen:
+                continue
+            seen.add(who)
+            key = (self._last.get(who, -1), i)
+            if not i or key < best_key:
+                best, best_key = i, key
+        return best
+
+    def _forget(self, who: str) -> None:
+        """A client with nothing waiting or running starts afresh (keeps `_last` bounded)."""
+        if who in self._last and not any(
+            self._client(x) == who for x in (*self.waiting, *self.running)
+        ):
+            del self._last[who]

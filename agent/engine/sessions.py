@@ -20,12 +20,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from agent.engine.kvpool import KVPool
+from agent.engine.quotas import ClientQuotas
 from agent.engine.session import Session
 from agent.engine.types import SESSION_POLICIES, SessionInfo, TierStats
 from agent.errors import InvalidRequest, NotFound, Overloaded, SessionBusy, SessionLost
 from agent.kv.disk import DiskTier
 from agent.kv.lru import ByteLRU
 from agent.kv.prefix import PrefixCache
+from agent.kv.quota import Holding, fair_share, fair_victims
 from agent.kv.snapshot import KVSnapshot
 from agent.runtime.runner import KVCache, Runner
 
@@ -47,11 +49,13 @@ class SessionStore:
         host_budget: int,
         disk: DiskTier | None,
         prefix: PrefixCache | None,
+        quotas: ClientQuotas | None = None,
     ) -> None:
         self._runner = runner
         self._pool = pool
         self._sha = model_sha256
         self.max_sessions = max_sessions
+        self.quotas = quotas or ClientQuotas(max_sessions, None, 1 << 30, 0)
         self._host: ByteLRU[str, KVSnapshot] = ByteLRU(host_budget)
         self._disk = disk
         self.prefix = prefix
@@ -82,14 +86,26 @@ class SessionStore:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def create(self, owner: str, policy: str) -> Session:
+    def create(self, owner: str, policy: str, adds: int = 0) -> Session:
+        """A new session of `owner`'s (`adds`: the bytes a fork copies into it). Within its
+        quotas; at `max_sessions` room is made only from the owner's own idle sessions or
+        those of clients over their fair share (`agent.kv.quota`), else it is refused."""
         if policy not in SESSION_POLICIES:
             raise InvalidRequest(f"session policy {policy!r} is not one of {SESSION_POLICIES}")
+        self.quotas.check_new_session(self.sessions.values(), owner, adds)
         if len(self.sessions) >= self.max_sessions:
-            idle = [s for s in self.sessions.values() if not s.busy]
-            if not idle:
-                raise Overloaded(f"all {self.max_sessions} sessions are busy; try again later")
-            self._drop(min(idle, key=lambda s: s.last_used), "the session limit was reached")
+            lru = sorted(self.sessions.values(), key=lambda s: s.last_used)
+            held = [Holding(s.id, s.owner, 1, not s.busy) for s in lru]
+            victims = fair_victims(held, owner, 1, self.max_sessions)
+            if victims is None:
+                share = fair_share(self.max_sessions, held, owner)
+                raise Overloaded(
+                    f"all {self.max_sessions} sessions (limits.max_sessions) are held by clients "
+                    f"within their fair share ({share:.1f} each) or busy; try again later"
+                )
+            for sid in victims:
+                victim = self.sessions[sid]
+                self._drop(victim, self._why_evicted(victim, owner, "the session limit"))
         now = time.time()
         s = Session(uuid.uuid4().hex, owner, policy, now, now)
         self.sessions[s.id] = s
@@ -112,7 +128,7 @@ class SessionStore:
         snap = self._snapshot_of(parent)
         parent.busy = True  # neither dropped for the child's room nor spilled meanwhile
         try:
-            child = self.create(parent.owner, parent.policy)
+            child = self.create(parent.owner, parent.policy, snap.nbytes if snap else 0)
             child.tokens, child.turns = list(parent.tokens), list(parent.turns)
             if snap is not None:
                 child.kv_len = len(snap.tokens)
@@ -177,9 +193,11 @@ class SessionStore:
         self._to_host(s, snap)
 
     def prepare(self, s: Session) -> None:
-        """Before a turn, on the caller's thread: a session on disk is read and checked now,
-        so that a bad file is the caller's error (SessionLost), not a failed stream. The rows
-        wait, staged, until the turn is admitted (or dropped by `unstage`)."""
+        """Before a turn, on the caller's thread: its client must be within its byte quota,
+        and a session on disk is read and checked now, so that a bad file is the caller's
+        error (SessionLost), not a failed stream. The rows wait, staged, until the turn is
+        admitted (or dropped by `unstage`)."""
+        self.quotas.check_turn(self.sessions.values(), s.owner)
         if s.tier == "disk" and s.id not in self._staged:
             self._staged[s.id] = self._load_disk(s)
 
@@ -287,8 +305,20 @@ class SessionStore:
         return None
 
     def _to_host(self, s: Session, snap: KVSnapshot) -> None:
+        """Into the host tier, making room fairly (the evicted move on to disk); a session
+        that would need room from clients within their share goes to disk itself."""
+        held = [Holding(k, self._owner(k), n) for k, n in self._host.sizes()]
+        victims = fair_victims(held, s.owner, snap.nbytes, self._host.budget_bytes)
+        if victims is None:
+            self._to_disk(s, snap)
+            return
+        for sid in victims:
+            old = self._host.pop(sid)
+            victim = self.sessions.get(sid)
+            if victim is not None and old is not None:
+                self._to_disk(victim, old)
         s.tier, s.kv_bytes = "host", snap.nbytes
-        for sid, old in self._host.put(s.id, snap, snap.nbytes):
+        for sid, old in self._host.put(s.id, snap, snap.nbytes):  # nothing: room was made
             victim = self.sessions.get(sid)
             if victim is not None:
                 self._to_disk(victim, old)
@@ -297,19 +327,44 @@ class SessionStore:
         if self._disk is None:
             self._drop(s, "its KV did not fit the host tier and the disk tier is off")
             return
+        disk = self._disk
+
+        def choose(need: int) -> list[str] | None:  # room from s's client or those over share
+            held = [
+                Holding(e.key, self._owner(e.key, e.meta), e.nbytes, not self._busy(e.key))
+                for e in disk.entries()
+                if e.key != s.id
+            ]
+            return fair_victims(held, s.owner, need, disk.budget_bytes)
+
         try:
-            stored = self._disk.put(s.id, snap, s.meta())
+            stored = disk.put(s.id, snap, s.meta(), choose=choose)
         except Exception as exc:  # put reports OSError itself; this is MemoryError and the like
             self._drop(s, f"it could not be saved ({type(exc).__name__}: {exc})")
             return
         for sid in stored.evicted:
             victim = self.sessions.get(sid)
             if victim is not None and victim is not s:
-                self._drop(victim, "evicted from the full disk tier", forget=False)
+                why = self._why_evicted(victim, s.owner, "the disk tier's budget")
+                self._drop(victim, why, forget=False)
         if not stored.ok:
             self._drop(s, f"it could not be saved: {stored.reason}")
             return
         s.tier, s.kv_bytes = "disk", snap.nbytes
+
+    def _owner(self, sid: str, meta: dict[str, object] | None = None) -> str:
+        s = self.sessions.get(sid)
+        return s.owner if s is not None else str((meta or {}).get("owner", ""))
+
+    def _busy(self, sid: str) -> bool:
+        s = self.sessions.get(sid)
+        return s is not None and s.busy
+
+    @staticmethod
+    def _why_evicted(victim: Session, owner: str, bound: str) -> str:
+        if victim.owner == owner:
+            return f"evicted to make room for its own client within {bound}"
+        return f"evicted within {bound}: its client held more than its fair share"
 
     def _load_disk(self, s: Session) -> KVSnapshot:
         assert self._disk is not None

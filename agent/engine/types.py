@@ -16,6 +16,25 @@ TIERS = ("empty", "bound", "host", "disk")  # where a session's KV lives ("empty
 
 
 @dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """What one engine runs and holds at once, and what one client key may hold of it."""
+
+    max_active: int = 4  # requests holding a KV slot at once (also bounded by the budget)
+    queue_capacity: int = 16  # requests waiting for a slot
+    max_pending_events: int = 64  # events a slow consumer may leave unread before a pause
+    max_sessions: int = 64  # live sessions in all tiers; also caps the bound ones
+    # A stream's tokens per event: the first token and the end go out at once, the tokens in
+    # between together once this many wait or the interval has passed (RequestHandle). 1: an
+    # event per token. On the demo model a token takes ~0.15 ms and each event ~25 us more.
+    event_tokens: int = 16
+    event_interval_s: float = 0.010
+    # per client key (agent.engine.quotas); None: half of the shared bound it divides
+    sessions_per_client: int | None = None
+    session_bytes_per_client: int | None = None  # host + disk tier bytes of its sessions
+    waiting_per_client: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ToolCall:
     """A function call an assistant made: `arguments` is a JSON object's text (as OpenAI's)."""
 

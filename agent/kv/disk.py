@@ -24,7 +24,7 @@ import os
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -114,8 +114,17 @@ class DiskTier:
         """Saved sessions, least recently used first (from headers; no array bytes read)."""
         return list(self._index.values())
 
-    def put(self, key: str, snapshot: KVSnapshot, meta: Mapping[str, object]) -> Stored:
+    def put(
+        self,
+        key: str,
+        snapshot: KVSnapshot,
+        meta: Mapping[str, object],
+        *,
+        choose: Callable[[int], Sequence[str] | None] | None = None,
+    ) -> Stored:
         """Save (or replace) session `key`; evict other sessions, LRU first, to fit the budget.
+        `choose(need)` instead names the files to evict for `need` bytes (the owner's fair
+        eviction, `agent.kv.quota`), or None to refuse the put rather than evict others.
 
         Never raises for a failure to store (too big, disk full, unwritable directory, a dtype
         or `meta` that cannot be stored): returns ``Stored(ok=False, ...)``, logs a warning
@@ -137,8 +146,15 @@ class DiskTier:
             return self._refuse(key, why, [])
         evicted: list[str] = []
         now = time.time_ns()  # as mtime: finer than some filesystems' own, for the LRU order
+        order = None if choose is None else choose(enc.nbytes)
+        if choose is not None and order is None:
+            why = (
+                f"its {enc.nbytes} bytes fit the disk tier only by evicting sessions of clients "
+                f"within their fair share of its {self.budget_bytes}"
+            )
+            return self._refuse(key, why, [])
         try:
-            self._make_room(enc.nbytes, key, evicted)
+            self._make_room(enc.nbytes, key, evicted, order)
             atomic_write(self._path(key), enc.write_to, now)
         except OSError as exc:
             return self._refuse(key, f"cannot write to {self.dir}: {exc}", evicted)
@@ -218,10 +234,14 @@ class DiskTier:
         log.warning("%s%s", err, "" if gone else " (and its file cannot be deleted)")
         return err
 
-    def _make_room(self, need: int, key: str, evicted: list[str]) -> None:
-        """Delete LRU files other than `key`'s until `need` bytes replacing it fit the budget."""
+    def _make_room(
+        self, need: int, key: str, evicted: list[str], order: Sequence[str] | None = None
+    ) -> None:
+        """Delete files other than `key`'s (LRU first, or those `order` names) until `need`
+        bytes replacing it fit the budget."""
         kept = self._index[key].nbytes if key in self._index else 0
-        for old in [k for k in self._index if k != key]:
+        keys = [k for k in self._index if k != key] if order is None else order
+        for old in [k for k in keys if k != key and k in self._index]:
             if self.usage_bytes - kept + need <= self.budget_bytes:
                 break
             with contextlib.suppress(FileNotFoundError):
@@ -229,7 +249,8 @@ class DiskTier:
             del self._index[old]
             evicted.append(old)
         if evicted:
-            log.info("evicted %d saved sessions (least recently used): %s", len(evicted), evicted)
+            how = "least recently used" if order is None else "fair share"
+            log.info("evicted %d saved sessions (%s): %s", len(evicted), how, evicted)
 
     def _scan(self) -> None:
         found: list[DiskEntry] = []

@@ -48,6 +48,10 @@ class ByteLRU(Generic[K, V]):
         """The keys, least recently used first."""
         return list(self._items)
 
+    def sizes(self) -> list[tuple[K, int]]:
+        """(key, size) of every entry, least recently used first."""
+        return [(k, n) for k, (_, n) in self._items.items()]
+
     def put(self, key: K, value: V, nbytes: int) -> list[tuple[K, V]]:
         """Store `value` as most recently used; return what was evicted, least recent first."""
         if nbytes < 0:
