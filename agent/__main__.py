@@ -1,5 +1,5 @@
 import sys
 
-from agent.cli import main
+from agent._entry import main
 
 sys.exit(main())

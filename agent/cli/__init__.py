@@ -61,28 +61,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, entry: bool = False) -> int:
+    """Run one command. `entry`: called by `agent._entry` for the real command line, whose
+    SIGINT handling (docs in `agent._entry`) this continues: KeyboardInterrupt while the
+    command runs, an immediate exit 130 after it."""
     args = build_parser().parse_args(argv)
     if not args.verbose:
         _silence_native_stderr()
     from agent.systemd import configure_logging
 
     configure_logging("info" if args.verbose else "warning", "stderr")
+    if entry:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         rc: int = args.func(args)
+        if entry and rc == exitcodes.INTERRUPTED:  # the command caught the Ctrl-C itself
+            _flush_and_exit(rc)
         return rc
     except AgentError as exc:
         print(f"edge-agent: {exc}", file=sys.stderr)
         return exitcodes.for_error(exc)
     except KeyboardInterrupt:
         print("\nedge-agent: interrupted", file=sys.stderr)
+        if entry:  # nothing is left to clean up: skip a shutdown that may wait on gRPC's threads
+            _flush_and_exit(exitcodes.INTERRUPTED)
         return exitcodes.INTERRUPTED
     except BrokenPipeError:
         return exitcodes.OK
     finally:
-        if argv is None:  # the real command line: a Ctrl-C while Python shuts down (joining
-            # gRPC's threads) ends the process quietly instead of a KeyboardInterrupt traceback
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if entry:  # a Ctrl-C while Python shuts down ends the process at once, quietly
+            from agent._entry import quiet_exit
+
+            signal.signal(signal.SIGINT, quiet_exit)
+
+
+def _flush_and_exit(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":
