@@ -10,6 +10,7 @@ the process at once. SIGINT is unblocked here in case the parent left it blocked
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -20,10 +21,8 @@ INTERRUPTED = 130  # agent.exitcodes.INTERRUPTED, without importing anything yet
 
 def quiet_exit(signum: int, frame: FrameType | None) -> None:
     """SIGINT where no cleanup is left to do: one line, exit 130, nothing else runs."""
-    try:
+    with contextlib.suppress(OSError):
         os.write(2, b"\nedge-agent: interrupted\n")
-    except OSError:
-        pass
     os._exit(INTERRUPTED)
 
 
