@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agent.clock import ClockState
 from agent.engine.stats import EngineStats, ModelInfo, Percentiles
 from agent.engine.types import TierStats
 from agent.fleet.health import (
@@ -88,6 +89,7 @@ def agent_status(**over: Any) -> AgentStatus:
         active_sessions=2,
         engine=engine_stats(),
         kv=tier_stats(),
+        clock=ClockState(True, "timesyncd"),
     )
     return dataclasses.replace(base, **over)
 
@@ -336,6 +338,7 @@ def test_build_health_fills_every_field() -> None:
     assert h.thermal == therm
     assert h.disk == disk()
     assert h.last_update == update
+    assert h.clock == fpb.Clock(synchronized=True, source="timesyncd")
 
 
 def test_build_health_without_kv_or_update() -> None:
