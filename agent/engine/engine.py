@@ -287,7 +287,8 @@ class Engine(SessionCalls):
                 p.ids[p.cached :],
                 start_pos=start,
                 max_tokens=p.max_tokens,
-                sampler=Sampler(p.sampling),
+                # repetition_penalty looks back over the conversation as the model sees it
+                sampler=Sampler(p.sampling, _history(p)),
                 stop=p.stop,
                 stop_ids=self._stop_ids,
                 prefill_chunk=self.profile.generation.prefill_chunk,
@@ -300,10 +301,7 @@ class Engine(SessionCalls):
                 queued_at=p.handle.submitted_at,
                 # drafts come from the whole conversation: a session's history is in its KV
                 speculator=speculator_for(
-                    p.speculation,
-                    self.loaded.runner,
-                    (p.session.tokens[: p.session.kv_len] if p.session is not None else []) + p.ids,
-                    self._acceptance,
+                    p.speculation, self.loaded.runner, _history(p), self._acceptance
                 ),
             )
 
@@ -422,3 +420,9 @@ class Engine(SessionCalls):
 
 def _empty_stats(p: Prepared) -> RequestStats:
     return RequestStats(len(p.ids), 0, 0.0, 0.0, 0.0, 0.0, 0.0, "")
+
+
+def _history(p: Prepared) -> list[int]:
+    """The conversation the model sees before the first generated token: a session's rows
+    in the KV and what this turn feeds (drafts come from it; a repetition penalty's window)."""
+    return (p.session.tokens[: p.session.kv_len] if p.session is not None else []) + p.ids

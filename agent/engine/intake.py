@@ -101,7 +101,7 @@ class Intake:
         sampling = request.sampling or SamplingParams(
             temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p
         )
-        sampling.validate(self.info.vocab_size)
+        sampling.validate(self.tokenizer.vocab_size)  # the ids the sampler sees (not padding)
         # tool_choice "required" / a named function: the call's schema (agent.engine.toolcalls)
         constraint = request_constraint(request) or request.constraint
         if constraint is not None:  # compiled (or refused) before it is queued

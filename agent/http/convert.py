@@ -3,7 +3,9 @@ events and stats into OpenAI's response, chunk and usage objects.
 
 Unknown fields are ignored, as OpenAI's own server does; a known field of the wrong type or
 out of range is an `HttpError` (400) naming it. What the daemon does not do yet is refused by
-name, never silently ignored (`logprobs`, `n` > 1, `echo`, `suffix`).
+name, never silently ignored (`logprobs`, `n` > 1, `echo`, `suffix`). `logit_bias`,
+`presence_penalty` and `frequency_penalty` are OpenAI's; `repetition_penalty` (or
+`repeat_penalty`) and `repeat_last_n` are llama-server's extensions (`agent.engine.penalties`).
 
 Tools (`agent.engine.toolcalls`): `tools`, `tool_choice`, an assistant message's `tool_calls`
 and a `tool` message's `tool_call_id` become the engine's; the answer of a chat with tools is
@@ -241,6 +243,41 @@ def _constraint(body: Mapping[str, Any]) -> Constraint | None:
     )
 
 
+def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias`: an object from token ids (as decimal strings) to a bias; the
+    engine checks the ids against the vocabulary and the biases against [-100, 100]."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise _bad("logit_bias", "logit_bias must be an object mapping token ids to biases")
+    out = []
+    for key, value in raw.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdecimal() and len(key) <= 10):
+            raise _bad(
+                "logit_bias",
+                f"logit_bias key {json.dumps(key)[:40]} is not a token id (a decimal integer)",
+            )
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or not math.isfinite(value):
+            raise _bad(
+                "logit_bias",
+                f"logit_bias[{key}] must be a number in [-100, 100], not {json.dumps(value)[:40]}",
+            )
+        out.append((int(key), float(value)))
+    return tuple(out)
+
+
+def _repetition_penalty(body: Mapping[str, Any]) -> float | None:
+    """The extension `repetition_penalty` (vLLM's name), or `repeat_penalty` (llama-server's
+    and Ollama's); both only if they agree."""
+    given = {n: _number(body, n) for n in ("repetition_penalty", "repeat_penalty")}
+    a, b = given["repetition_penalty"], given["repeat_penalty"]
+    if a is not None and b is not None and a != b:
+        raise _bad("repeat_penalty", "repetition_penalty and repeat_penalty disagree: give one")
+    return a if a is not None else b
+
+
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     n = _integer(body, "n")
     if n is not None and n != 1:
@@ -272,6 +309,11 @@ def _common(
         top_k=_integer(body, "top_k"),  # an extension (llama.cpp's server has it too)
         top_p=_number(body, "top_p"),
         seed=_integer(body, "seed"),
+        logit_bias=_logit_bias(body),
+        presence_penalty=_number(body, "presence_penalty"),
+        frequency_penalty=_number(body, "frequency_penalty"),
+        repetition_penalty=_repetition_penalty(body),  # extensions (llama-server's names)
+        repeat_last_n=_integer(body, "repeat_last_n"),
     )
     session = body.get("session")  # an extension: the engine's session (docs/API.md)
     if session is not None and (not isinstance(session, str) or not session):

@@ -61,6 +61,11 @@ def to_request(
         top_k=s.top_k if s.HasField("top_k") else None,
         top_p=s.top_p if s.HasField("top_p") else None,
         seed=s.seed if s.HasField("seed") else None,
+        logit_bias=tuple(s.logit_bias.items()),  # the engine checks ids and ranges
+        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else None,
+        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else None,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
+        repeat_last_n=s.repeat_last_n if s.HasField("repeat_last_n") else None,
     )
     max_tokens = msg.max_tokens if msg.HasField("max_tokens") else None
     if max_tokens is not None and max_tokens > max_tokens_limit:
