@@ -46,7 +46,7 @@ from agent.ota.store import Store
 from agent.ota.updater import Updater
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
-from agent.rpc import unixsocket
+from agent.rpc import ports, unixsocket
 from agent.rpc.server import Server
 from agent.statelock import StateLock
 from agent.status import AgentStatus, rss_bytes
@@ -143,6 +143,10 @@ class Daemon:
         unixsocket.check(self.config.server.socket)  # refused before anything changes
         if self.config.http.enabled:
             unixsocket.check(http_socket(self.config))
+        ports.check(  # a busy port is refused now, not after the model has loaded
+            [("server.tcp (--tcp)", self.config.server.tcp)]
+            + [("http.listen (--http)", self.config.http.tcp)] * self.config.http.enabled
+        )
         lock = StateLock.acquire(state_dir(self.overrides))  # before anything writes there
         try:
             return await self._serve(t0)

@@ -74,6 +74,8 @@ class Server:
             try:
                 port = self._server.add_insecure_port(self._config.tcp)
             except RuntimeError as exc:
+                unixsocket.remove_if_ours(self._bound)  # leave no socket behind
+                self._bound = None
                 raise HostError(
                     f"cannot listen on {self._config.tcp}: the port is in use or the address is "
                     "not one of this machine's"
