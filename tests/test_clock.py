@@ -18,6 +18,7 @@ from agent.ota.cancel import sign_cancel, verify_cancel
 from agent.ota.manifest import UpdateRejected, check_times
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
+from agent.rpc.convert import status_message
 from tests.test_fleet_health import agent_status, disk, model_info, thermal
 
 YEAR = 365 * 86400.0
@@ -170,3 +171,11 @@ def test_health_heartbeat_is_timed_on_the_monotonic_clock() -> None:
     assert tick(NOW - 10 * YEAR, 12.0) is None
     beat = tick(NOW - 10 * YEAR + 60, 70.0)
     assert beat is not None and beat.timestamp_unix == NOW - 10 * YEAR + 60
+
+
+def test_local_status_carries_the_clock() -> None:
+    """`edge-agent client status` (GetStatus) says whether the wall clock is synchronized."""
+    msg = status_message(agent_status(clock=ClockState(True, "kernel")))
+    assert (msg.clock_synchronized, msg.clock_source) == (True, "kernel")
+    msg = status_message(agent_status(clock=ClockState(False)))
+    assert (msg.clock_synchronized, msg.clock_source) == (False, "")

@@ -239,6 +239,8 @@ def status_message(st: AgentStatus) -> pb.AgentStatus:
     )
     if st.kv is not None:
         msg.kv.CopyFrom(tiers_message(st.kv))
+    if st.clock is not None:
+        msg.clock_synchronized, msg.clock_source = st.clock.synchronized, st.clock.source
     return msg
 
 
