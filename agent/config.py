@@ -58,6 +58,7 @@ LIMITS = (
     "queue_capacity",
     "max_pending_events",
     "drain_timeout_s",
+    "reload_drain_s",
     "max_tokens",
 )
 MODEL = ("path", "quantization")
@@ -109,7 +110,12 @@ class LimitsConfig:
     max_active: int = 4
     queue_capacity: int = 16
     max_pending_events: int = 64
-    drain_timeout_s: float = 20.0
+    # SIGTERM: running requests may go on this long, then are cut (CANCELLED, their tokens so
+    # far); waiting ones are refused at once
+    drain_timeout_s: float = 5.0
+    # a reload or update switching models: the old engine's in-flight requests may finish
+    # this long (new ones already go to the new engine)
+    reload_drain_s: float = 20.0
     max_tokens: int = 4096  # upper bound on any request's max_tokens
     max_sessions: int = 8  # conversations kept resident (least recently used closed beyond)
 
@@ -285,6 +291,9 @@ def parse_config(data: Mapping[str, object], source: str) -> AgentConfig:
             drain_timeout_s=lt.number("drain_timeout_s", 0, 3600)
             if "drain_timeout_s" in lt.raw
             else d.limits.drain_timeout_s,
+            reload_drain_s=lt.number("reload_drain_s", 0, 3600)
+            if "reload_drain_s" in lt.raw
+            else d.limits.reload_drain_s,
             max_tokens=lt.integer("max_tokens", 1, 1 << 20, d.limits.max_tokens),
             max_sessions=lt.integer("max_sessions", 0, 4096, d.limits.max_sessions),
         )

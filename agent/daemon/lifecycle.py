@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -57,13 +58,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agent.daemon")  # the name its lines have always had ("ready in")
 
+STREAM_END_GRACE_S = 2.0  # at stop: what a gRPC stream has to write its last message
+
 
 class Daemon:
     def __init__(self, overrides: Overrides, notifier: Notifier | None = None) -> None:
         self.overrides = overrides
         self.config = apply_overrides(load_config(overrides.config_path), overrides)
         self.notifier = notifier or Notifier.from_env()
-        self._serving = Serving(self._load, lambda: self.config.limits.drain_timeout_s)
+        self._serving = Serving(self._load, lambda: self.config.limits.reload_drain_s)
         self._requests = Requests()
         self._started = time.monotonic()
         self._last_status = ""
@@ -121,10 +124,10 @@ class Daemon:
                 if self._fleet.link.connected
                 else "disconnected"
             ),
+            clock=self._updater.clock.state() if self._updater is not None else None,
         )
 
     def _scrape(self) -> AgentStatus | None:
-            clock=self._updater.clock.state() if self._updater is not None else None,
         """What a metrics scrape reads: the status and the last update's phase, read from the
         update record on disk (so only here); None before a model is loaded."""
         try:
@@ -319,24 +322,29 @@ class Daemon:
         return done
 
     async def _shutdown(self, server: Server) -> None:
+        """Stop: waiting requests are refused at once (UNAVAILABLE / 503), running ones may
+        finish within `limits.drain_timeout_s` and are then cut: each client gets a final
+        message with its tokens so far (gRPC: FINISH_REASON_CANCELLED, then status
+        CANCELLED; HTTP: a last chunk and [DONE]) before the listeners close."""
         loop = asyncio.get_running_loop()
         s = self._serving
         s.state = "stopping"
         if self._updater is not None:
             self._updater.stop()
         timeout = self.config.limits.drain_timeout_s
-        self.notifier.stopping(f"stopping: draining in-flight requests (up to {timeout:.0f} s)")
+        self.notifier.stopping(f"stopping: draining in-flight requests (up to {timeout:g} s)")
         await server.set_serving(False)
         if s.engine is not None:
             engine = s.engine
-            drained = await loop.run_in_executor(None, engine.stop, timeout)
-            log.info(
-                "shutdown: %s", "drained" if drained else "drain timed out, cancelled the rest"
-            )
+            stop = functools.partial(engine.stop, timeout, refuse_waiting=True)
+            drained = await loop.run_in_executor(None, stop)
+            log.info("shutdown: %s", "drained" if drained else "drain time over, cut the rest")
+        await loop.run_in_executor(None, s.stop_draining, timeout)
+        # every request has had its last event: the listeners give the streams the time to
+        # write it (a client that does not read is not waited for beyond that)
         if self._http is not None:
             await self._http.stop()
-        await server.stop(grace=1.0)
-        s.join_draining(timeout)
+        await server.stop(grace=STREAM_END_GRACE_S)
         if self._fleet is not None:
             self._fleet.stop()  # after the drain: "offline" means no request is running
         if s.engine is not None:

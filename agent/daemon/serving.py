@@ -35,7 +35,7 @@ class Serving:
         self.server: Server | None = None
         self._load = load  # builds an engine, keeping systemd fed meanwhile
         self._drain_timeout = drain_timeout  # the configuration in force says how long
-        self._draining: list[threading.Thread] = []
+        self._draining: list[tuple[threading.Thread, Engine]] = []
 
     async def switch_to(
         self, plan: Plan, check: Callable[[Engine], str | None] | None = None
@@ -106,9 +106,14 @@ class Serving:
 
         t = threading.Thread(target=drain, name="edge-agent-drain", daemon=True)
         t.start()
-        self._draining.append(t)
+        self._draining.append((t, old))
 
-    def join_draining(self, timeout: float) -> None:
-        """Wait for the previous engines still draining in the background."""
-        for t in self._draining:
-            t.join(timeout)
+    def stop_draining(self, timeout: float) -> None:
+        """The daemon is stopping: previous engines still draining in the background refuse
+        what waits and cut what runs within `timeout` (each client gets its final event, as
+        the serving engine's do); wait for them."""
+        for t, old in self._draining:
+            if t.is_alive():
+                old.hurry(timeout)
+        for t, _ in self._draining:
+            t.join(timeout + 10.0)  # the cut, the engine thread's end and the unload

@@ -16,6 +16,7 @@ engine's session API) and `stats` / `types` (the values it hands out).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -46,6 +47,8 @@ from agent.profile import DeviceProfile
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5  # the idle engine thread still beats this often
+STOPPING_REFUSED = "the agent is stopping; the request had not started: send it again later"
+STOPPING_CUT = "the agent is stopping; the request was cut at the drain deadline"
 
 
 class Engine(SessionCalls):
@@ -114,8 +117,11 @@ class Engine(SessionCalls):
         )
         self._ids = itertools.count(1)
         self._stopping = False
+        self._drain_until = float("inf")  # monotonic: a stop cuts what still runs then
+        self._cut = False  # the stop's drain time is over: a cancelled request was cut
         self._closed = False
         self._stall = 0.0
+        self._unstall = threading.Event()  # a stop ends an injected stall
         self._beat = time.monotonic()
         self._tally = Tally()
         self._acceptance = Acceptance()  # what speculation saw so far: a new request's prior
@@ -222,33 +228,79 @@ class Engine(SessionCalls):
         return time.monotonic() - self._beat
 
     def inject_stall(self, seconds: float) -> None:
-        """Fault injection for tests: the engine thread sleeps for `seconds` at its next turn."""
+        """Fault injection for tests: the engine thread sleeps for `seconds` at its next turn
+        (or until a stop's drain time is over: the stop then ends what the stall held)."""
         with self._cv:
             self._stall = seconds
             self._cv.notify()
 
-    def stop(self, drain_timeout: float = 30.0) -> bool:
-        """Refuse new requests, let running and queued ones finish (up to the timeout), then
-        cancel what is left and stop the thread. Returns True if everything drained."""
+    def stop(self, drain_timeout: float = 30.0, *, refuse_waiting: bool = False) -> bool:
+        """Refuse new requests, let running ones finish (up to the timeout), then cut what is
+        left and stop the thread. Returns True if everything drained.
+
+        A cut request ends with a final "cancelled" event that carries the tokens it had not
+        sent yet (its consumer gets it before the thread stops; nothing is dropped). Waiting
+        requests run too (a model switch: nothing is refused), or, with `refuse_waiting` (the
+        daemon stopping), end at once unstarted, with `handle.refused` saying why.
+        """
         with self._cv:
             self._stopping = True
+            self._drain_until = min(self._drain_until, time.monotonic() + drain_timeout)
+            if refuse_waiting:
+                self._refuse_waiting()
             self._cv.notify()
-        deadline = time.monotonic() + drain_timeout
-        while time.monotonic() < deadline:
+        while True:
             with self._cv:
-                if not self._sched.busy:
+                if not self._sched.busy or time.monotonic() >= self._drain_until:
                     break
             time.sleep(0.01)
         with self._cv:
             drained = not self._sched.busy
+            if not drained:
+                log.info(
+                    "stop: drain time over; cutting %d running and %d waiting requests",
+                    len(self._sched.running),
+                    len(self._sched.waiting),
+                )
+            self._cut = True
             for p in [*self._sched.waiting, *self._sched.running]:
                 p.handle.cancel()
-            self._closed = True
+            self._unstall.set()
             self._cv.notify()
+        # the thread ends each cut request with its final event, then returns by itself
         self._thread.join(timeout=5.0)
         with self._cv:
+            self._closed = True  # a thread still inside a step (a wedged runtime) exits after it
+            self._cv.notify()
             self._store.persist_all()
         return drained
+
+    def hurry(self, drain_timeout: float) -> None:
+        """Bring a `stop` already under way (an old engine draining after a reload) forward:
+        waiting requests are refused now and running ones cut within `drain_timeout`."""
+        with self._cv:
+            self._drain_until = min(self._drain_until, time.monotonic() + drain_timeout)
+            if self._stopping:
+                self._refuse_waiting()
+            self._cv.notify()
+
+    def _refuse_waiting(self) -> None:
+        """End every waiting request unstarted (under the lock; the engine thread never saw
+        them): the caller gets `Unavailable`, as a request that came a moment later would."""
+        refused = self._sched.drop_waiting(lambda p: False)
+        for p in refused:
+            self._tally.totals["cancelled"] += 1
+            if p.session is not None:
+                p.session.busy = False
+                self._store.unstage(p.session)
+            p.handle.refused = Unavailable(STOPPING_REFUSED)
+            p.handle.emit(
+                TokenEvent(
+                    "", finish_reason="cancelled", stats=_empty_stats(p), error=STOPPING_REFUSED
+                )
+            )
+        if refused:
+            log.info("stop: refused %d waiting requests", len(refused))
 
     def close(self) -> None:
         if not self._closed:
@@ -338,7 +390,7 @@ class Engine(SessionCalls):
             if p is not None:
                 self._step(p)
             else:
-                time.sleep(stall)  # a real stall: nothing on this thread runs meanwhile
+                self._unstall.wait(stall)  # a real stall: nothing on this thread runs meanwhile
 
     def _step(self, p: Prepared) -> None:
         """One unit of `p`'s work; a request running alone goes on decoding until an event
@@ -357,6 +409,8 @@ class Engine(SessionCalls):
             except Exception as exc:  # one failed request must not take the engine down
                 log.exception("request %s failed", p.handle.id)
                 events = [gen.fail(str(exc))]
+            if gen.done and self._cut and events[-1].finish_reason == "cancelled":
+                events[-1] = dataclasses.replace(events[-1], error=STOPPING_CUT)
             if gen.done:  # before the final event: a client that continues the session at once
                 self._retire(p, events[-1])  # must find it idle, not "already running"
             sent = False

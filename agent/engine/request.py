@@ -11,6 +11,7 @@ from agent.engine.generation import Generation
 from agent.engine.sampler import SamplingParams
 from agent.engine.session import Session
 from agent.engine.types import TokenEvent
+from agent.errors import AgentError
 from agent.runtime.runner import KVCache
 
 Sink = Callable[[TokenEvent], None]
@@ -46,6 +47,9 @@ class RequestHandle:
         self._lock = threading.Lock()
         self.cancel_event = threading.Event()
         self.done = threading.Event()
+        # why the engine ended it before it started (the agent stopping): the caller answers
+        # with this error rather than with an empty answer
+        self.refused: AgentError | None = None
         self.submitted_at = time.perf_counter()
         self._batch = max(1, event_tokens)
         self._interval = event_interval_s

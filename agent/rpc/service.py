@@ -19,7 +19,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from agent.config import AgentConfig
-from agent.engine.engine import Engine
+from agent.engine.engine import STOPPING_CUT, Engine
 from agent.engine.types import TokenEvent
 from agent.errors import ERROR_TRAILER, AgentError, InvalidRequest, Overloaded, grpc_status_name
 from agent.metrics import Metrics
@@ -150,7 +150,14 @@ class AgentService:
                 batch = await pipe.take()
                 handle.consumed(len(batch))
                 event = merge_events(batch)
+                if handle.refused is not None:  # the agent stopped before it started
+                    log.info("generate %s refused: %s", handle.id, handle.refused)
+                    await _abort(context, handle.refused)
                 yield to_response(event, handle.id, tools)
+                if event.finish_reason == "cancelled" and event.error == STOPPING_CUT:
+                    # the agent is stopping: the message above held the tokens so far and
+                    # FINISH_REASON_CANCELLED; the status says the answer is not complete
+                    await context.abort(grpc.StatusCode.CANCELLED, event.error)
                 if event.finish_reason is not None:
                     return
         finally:

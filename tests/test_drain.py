@@ -1,0 +1,280 @@
+"""Stopping with requests in flight, on a real daemon process (issue 32, item 7).
+
+SIGTERM with generations running and others queued: at the drain deadline (here 0 s: at once)
+each running request is cut and its client gets what was produced so far — a gRPC stream its
+last message with FINISH_REASON_CANCELLED and then status CANCELLED, an HTTP SSE stream (the
+official openai SDK, and raw lines) a last chunk with a finish reason and `data: [DONE]`, a
+whole HTTP answer its JSON — each a prefix of the same request's whole greedy answer; queued
+requests are refused at once (UNAVAILABLE / 503), having produced nothing; the daemon exits 0.
+
+The model is the demo model without its stop tokens: a greedy answer runs to the context's end
+(~1000 tokens). What keeps each request in flight until the signal is an event, not time: the
+gRPC client reads one message and then nothing (HTTP/2 flow control with a one-byte window stops
+the daemon's writes, and the engine pauses the request whose events are not taken); the HTTP
+requests, started together, are frozen with the daemon (SIGSTOP) as soon as its status counts
+them all running, and held by the engine thread's stall (fault injection, SIGUSR2, then SIGCONT:
+a few tokens each against their ~1000), which also keeps the two requests that come next in the
+queue; the stop ends the stall.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from agent.modeldir import demo_model_dir, load_model_dir
+from agent.pb.edge_agent.v1 import agent_pb2 as pb
+from agent.pb.edge_agent.v1 import agent_pb2_grpc as pb_grpc
+from agent.rpc.client import build_request
+from tests.daemon_harness import Daemon
+
+PROMPT = "import os\n"
+N = 1000  # the demo model's context is 1024: the answer runs to the end, it cannot stop early
+# four running, two queued; a client that does not read pauses its request after two events
+CONFIG = (
+    "[limits]\nmax_active = 4\nqueue_capacity = 4\nmax_pending_events = 2\ndrain_timeout_s = 0\n"
+)
+# a gRPC client that reads nothing more: the daemon can write it one message, then waits
+ONE_BYTE_WINDOW = [("grpc.http2.lookahead_bytes", 1), ("grpc.http2.bdp_probe", 0)]
+BODY: dict[str, Any] = {"model": "demo", "prompt": PROMPT, "max_tokens": N, "temperature": 0}
+OFF = {"speculation": "off"}  # plain decoding: the answer takes its longest
+
+
+def endless_model_dir(dest: Path) -> Path:
+    """The demo model copied into `dest` without any stop token."""
+    src = demo_model_dir()
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "metadata.json":
+            shutil.copyfile(f, dest / f.name)
+    meta = json.loads((src / "metadata.json").read_text())
+    meta["eos_id"] = None
+    meta["stop_token_ids"] = []
+    (dest / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
+    assert not load_model_dir(dest).stop_ids
+    return dest
+
+
+def greedy() -> pb.GenerateRequest:
+    r = build_request(
+        PROMPT, None, max_tokens=N, temperature=0.0, top_k=None, top_p=None, seed=None, stop=[]
+    )
+    r.speculation = "off"
+    return r
+
+
+def sdk(path: Path) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url="http://localhost/v1",
+        api_key="x",
+        http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), timeout=120),
+        max_retries=0,
+    )
+
+
+def log_holds(d: Daemon, text: str) -> bool:
+    return text in d.read_log()
+
+
+def until(what: Callable[[], bool], message: Callable[[], str]) -> None:
+    """Until `what` holds (an event the daemon reports); the limit is only a limit."""
+    deadline = time.monotonic() + 60
+    while not what():
+        if time.monotonic() > deadline:
+            raise AssertionError(message())
+        time.sleep(0.01)
+
+
+class Background:
+    """A call on its own thread, handed an event to set once its request runs (its first
+    output arrived): its result or its exception. With `start`, it begins once that barrier
+    is passed."""
+
+    def __init__(
+        self, call: Callable[[threading.Event], Any], start: threading.Barrier | None = None
+    ) -> None:
+        self.running = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                if start is not None:
+                    start.wait(60)
+                self.result = call(self.running)
+            except BaseException as exc:  # handed to the test
+                self.error = exc
+            finally:
+                self.running.set()
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def join(self) -> Background:
+        self._thread.join(120)
+        assert not self._thread.is_alive(), "the call did not end"
+        return self
+
+
+def grpc_stream(c: Any) -> Callable[[threading.Event], Any]:
+    """The messages of a gRPC stream, and the error that ended it (None: it ended OK)."""
+
+    def call(running: threading.Event) -> tuple[list[pb.GenerateResponse], grpc.RpcError | None]:
+        got: list[pb.GenerateResponse] = []
+        try:
+            for msg in c.stream(greedy()):
+                got.append(msg)
+                running.set()
+        except grpc.RpcError as exc:
+            return got, exc
+        return got, None
+
+    return call
+
+
+def sdk_stream(http: Path) -> Callable[[threading.Event], Any]:
+    """The chunks of the openai SDK's completions stream."""
+    client = sdk(http)
+
+    def call(running: threading.Event) -> list[Any]:
+        got = []
+        for chunk in client.completions.create(**BODY, stream=True, extra_body=OFF):
+            got.append(chunk)
+            running.set()
+        return got
+
+    return call
+
+
+def raw_stream(http: Path) -> Callable[[threading.Event], Any]:
+    """The SSE lines of a completions stream, as they come."""
+
+    def call(running: threading.Event) -> list[str]:
+        body = {**BODY, **OFF, "stream": True, "stream_options": {"include_usage": True}}
+        transport = httpx.HTTPTransport(uds=str(http))
+        with httpx.Client(transport=transport, timeout=120) as client:
+            url = "http://localhost/v1/completions"
+            with client.stream("POST", url, json=body) as r:
+                assert r.status_code == 200
+                got = []
+                for line in r.iter_lines():
+                    if line:
+                        got.append(line)
+                        running.set()
+                return got
+
+    return call
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return endless_model_dir(tmp_path_factory.mktemp("endless") / "model")
+
+
+def test_sigterm_cuts_running_requests_with_their_tokens_and_refuses_queued_ones(
+    model: Path, tmp_path: Path
+) -> None:
+    http = tmp_path / "h.sock"
+    d = Daemon(tmp_path, model, CONFIG, args=("--http", str(http)))
+    slow = grpc.insecure_channel(f"unix:{d.socket}", options=ONE_BYTE_WINDOW)
+    try:
+        c = d.client()
+        whole = c.generate(greedy())  # the reference: the same request, run to its end
+        assert whole.finish_reason == "length" and len(whole.tokens) == N
+
+        # running: a gRPC stream held by its client, and, started together, an SDK stream, a
+        # raw SSE stream and a whole HTTP answer
+        held = pb_grpc.AgentStub(slow).Generate(greedy(), timeout=120)  # type: ignore[no-untyped-call]
+        got = [next(held)]
+        start = threading.Barrier(3)
+        sdk_run = Background(sdk_stream(http), start)
+        raw_run = Background(raw_stream(http), start)
+        answer_client = sdk(http)
+        whole_http = Background(
+            lambda running: answer_client.completions.create(**BODY, extra_body=OFF), start
+        )
+        assert sdk_run.running.wait(60) and raw_run.running.wait(60)
+        until(lambda: c.status()["active_requests"] == 4, lambda: str(c.status()))
+        # frozen at once; then the engine thread stalls: what runs stays in flight
+        d.signal(signal.SIGSTOP)
+        d.signal(signal.SIGUSR2)
+        d.signal(signal.SIGCONT)
+        until(lambda: log_holds(d, "stalling the engine thread"), d.read_log)
+        # two that wait in the queue meanwhile: a gRPC stream and an SDK stream
+        queued_grpc = Background(grpc_stream(c))
+        queued_sdk = Background(sdk_stream(http))
+        until(lambda: c.status()["queue_depth"] == 2, lambda: str(c.status()))
+
+        d.signal(signal.SIGTERM)
+
+        # gRPC: the messages, the last one CANCELLED with the tokens so far, status CANCELLED
+        with pytest.raises(grpc.RpcError) as caught:
+            for msg in held:
+                got.append(msg)
+        err = caught.value
+        assert err.code() == grpc.StatusCode.CANCELLED, err
+        assert "stopping" in (err.details() or "")
+        last = got[-1]
+        assert last.finish_reason == pb.FINISH_REASON_CANCELLED
+        assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in got[:-1])
+        tokens = [t for m in got for t in m.token_ids]
+        assert 0 < len(tokens) < N and last.stats.generated_tokens == len(tokens)
+        assert tokens == whole.tokens[: len(tokens)]
+        assert whole.text.startswith("".join(m.text for m in got))
+
+        # the SDK's stream ends normally, its last chunk with a finish reason it knows
+        chunks = sdk_run.join().result
+        assert chunks is not None, sdk_run.error
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert (chunks[-1].model_extra or {})["edge_agent"]["finish_reason"] == "cancelled"
+        assert 0 < len(text) < len(whole.text) and whole.text.startswith(text)
+
+        # raw SSE: the last chunk, the usage, then `data: [DONE]`
+        lines = raw_run.join().result
+        assert lines is not None, raw_run.error
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        docs = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+        final, usage = docs[-2], docs[-1]
+        assert final["choices"][0]["finish_reason"] == "length"
+        assert final["edge_agent"]["finish_reason"] == "cancelled"
+        raw_text = "".join(doc["choices"][0]["text"] for doc in docs[:-1])
+        assert whole.text.startswith(raw_text) and len(raw_text) < len(whole.text)
+        assert 0 < usage["usage"]["completion_tokens"] < N
+
+        # the whole HTTP answer: what was produced, as JSON
+        answer = whole_http.join()
+        assert answer.error is None, answer.error
+        assert answer.result.choices[0].finish_reason == "length"
+        assert answer.result.model_extra["edge_agent"]["finish_reason"] == "cancelled"
+        assert whole.text.startswith(answer.result.choices[0].text)
+        assert answer.result.usage.completion_tokens < N
+
+        # the queued ones: refused at once, nothing produced
+        nothing, refused = queued_grpc.join().result
+        assert nothing == [] and refused is not None
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE, refused
+        assert "had not started" in (refused.details() or "")
+        refused_http = queued_sdk.join().error
+        assert isinstance(refused_http, openai.APIStatusError), refused_http
+        assert refused_http.status_code == 503 and "had not started" in refused_http.message
+
+        assert d.proc.wait(60) == 0, d.read_log()
+        log = d.read_log()
+        assert "stop: refused 2 waiting requests" in log
+        assert "shutdown: drain time over, cut the rest" in log
+        assert "Traceback" not in log
+    finally:
+        slow.close()
+        d.stop()
