@@ -555,3 +555,60 @@ def test_grpc_bad_values_are_invalid_argument(
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert fragment in err.value.details(), err.value.details()
     assert len(grpc_tokens(daemon)) == 8  # still serving
+
+
+# ---------------------------------------------------------------------- the command line
+
+
+def test_client_flags_reach_the_grpc_request() -> None:
+    """`edge-agent client generate|chat` puts the penalty flags in `Sampling`; absent, the
+    fields stay unset (the daemon's defaults: off)."""
+    import argparse
+
+    from agent.cli.client import add_client_parser
+    from agent.cli.common import penalty_fields
+    from agent.rpc.client import build_request
+
+    parser = argparse.ArgumentParser()
+    add_client_parser(parser.add_subparsers())
+    flags = ["--logit-bias", "5=-100", "--logit-bias", "7=2.5", "--presence-penalty", "0.5"]
+    flags += ["--frequency-penalty", "-1", "--repeat-penalty", "1.2", "--repeat-last-n", "-1"]
+    for argv in (["client", "generate", "x"], ["client", "chat", "x"]):
+        base = dict(max_tokens=None, temperature=None, top_k=None, top_p=None, seed=None, stop=[])
+        plain = build_request("x", None, **base, **penalty_fields(parser.parse_args(argv)))  # type: ignore[arg-type]
+        assert plain.sampling == type(plain.sampling)()
+        req = build_request("x", None, **base, **penalty_fields(parser.parse_args([*argv, *flags])))  # type: ignore[arg-type]
+        s = req.sampling
+        assert dict(s.logit_bias) == {5: -100.0, 7: 2.5}
+        assert (s.presence_penalty, s.frequency_penalty) == (0.5, -1.0)
+        assert s.repetition_penalty == pytest.approx(1.2) and s.repeat_last_n == -1
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args([*argv, "--logit-bias", "five"])
+        assert exit_.value.code == 2
+
+
+def test_cli_generate_takes_the_flags(verify_dir: Path, tmp_path: Path) -> None:
+    """In-process `edge-agent generate`: +100 forces the token; an out-of-range value is the
+    engine's refusal, one line and exit 2 (a usage error), never a traceback."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from agent.profile import profiles_dir
+
+    def generate(*extra: str) -> subprocess.CompletedProcess[str]:
+        args = [sys.executable, "-m", "agent", "generate", PROMPTS[2], "--json"]
+        args += ["--profile", str(profiles_dir() / "generic-x86_64.toml")]
+        args += ["--model", str(verify_dir), "--quantization", "fp32", "--temperature", "0"]
+        env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+        return subprocess.run(
+            [*args, "--max-tokens", "6", *extra], capture_output=True, text=True, env=env
+        )
+
+    r = generate("--logit-bias", "42=100")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["tokens"] == [42] * 6
+    bad = generate("--presence-penalty", "7")
+    assert bad.returncode != 0 and "presence_penalty = 7.0 is out of range [-2, 2]" in bad.stderr
+    assert "Traceback" not in bad.stderr

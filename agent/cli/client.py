@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from agent import exitcodes
-from agent.cli.common import _sampling_args
+from agent.cli.common import _sampling_args, penalty_fields
 
 if TYPE_CHECKING:
     from agent.rpc.client import SessionEntry
@@ -51,6 +51,7 @@ def _generate_via_socket(args: argparse.Namespace, chat: list[tuple[str, str]] |
         stop=args.stop,
         session=args.session,
         speculation=args.speculation,
+        **penalty_fields(args),
     )
     got = Partial()
     started = time.monotonic()

@@ -8,6 +8,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import TypedDict
 
 PROFILE_ENV = "EDGE_AGENT_PROFILE"
 EXIT_USAGE = 2
@@ -46,12 +47,56 @@ def _profile_name(args: argparse.Namespace) -> str | None:
     return getattr(args, "sub_profile", None) or args.profile or os.environ.get(PROFILE_ENV)
 
 
+def _bias(text: str) -> tuple[int, float]:
+    """--logit-bias ID=BIAS (ranges are the engine's to check, as for every client)."""
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not ID=BIAS (e.g. 42=-100)") from None
+
+
+class PenaltyFields(TypedDict):
+    logit_bias: tuple[tuple[int, float], ...]
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    repetition_penalty: float | None
+    repeat_last_n: int | None
+
+
+def penalty_fields(args: argparse.Namespace) -> PenaltyFields:
+    """The penalty flags as `SamplingParams.with_defaults` / `build_request` keywords."""
+    return {
+        "logit_bias": tuple(args.logit_bias),
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "repetition_penalty": args.repeat_penalty,
+        "repeat_last_n": args.repeat_last_n,
+    }
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
+    p.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        type=_bias,
+        metavar="ID=BIAS",
+        help="add BIAS (-100..100) to token ID's logit (repeatable; docs/API.md)",
+    )
+    p.add_argument("--presence-penalty", type=float, help="OpenAI's, -2..2 (default 0)")
+    p.add_argument("--frequency-penalty", type=float, help="OpenAI's, -2..2 (default 0)")
+    p.add_argument("--repeat-penalty", type=float, help="llama.cpp's, (0, 10]; 1 is off")
+    p.add_argument(
+        "--repeat-last-n", type=int, help="tokens the repeat penalty looks back over (default 64)"
+    )
     p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
     p.add_argument(
         "--speculation",

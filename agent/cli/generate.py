@@ -9,7 +9,13 @@ import threading
 from pathlib import Path
 
 from agent import exitcodes
-from agent.cli.common import _profile_arg, _profile_name, _resolve, _sampling_args
+from agent.cli.common import (
+    _profile_arg,
+    _profile_name,
+    _resolve,
+    _sampling_args,
+    penalty_fields,
+)
 
 
 def _open_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -31,11 +37,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     engine = _open_engine(args)
     gen = engine.profile.generation
-    sampling = SamplingParams(
-        temperature=gen.temperature if args.temperature is None else args.temperature,
-        top_k=gen.top_k if args.top_k is None else args.top_k,
-        top_p=gen.top_p if args.top_p is None else args.top_p,
+    sampling = SamplingParams.with_defaults(
+        gen,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
         seed=args.seed,
+        **penalty_fields(args),
     )
     request = GenerateRequest(
         prompt=args.prompt,

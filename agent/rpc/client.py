@@ -203,6 +203,11 @@ def build_request(
     stop: Sequence[str],
     session: str | None = None,
     speculation: str | None = None,
+    logit_bias: Sequence[tuple[int, float]] = (),
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    repeat_last_n: int | None = None,
 ) -> pb.GenerateRequest:
     req = pb.GenerateRequest(
         stop=list(stop), session_id=session or "", speculation=speculation or ""
@@ -221,6 +226,16 @@ def build_request(
         req.sampling.top_p = top_p
     if seed is not None:
         req.sampling.seed = seed
+    for token, bias in logit_bias:
+        req.sampling.logit_bias[token] = bias  # the daemon refuses an id proto cannot carry
+    if presence_penalty is not None:
+        req.sampling.presence_penalty = presence_penalty
+    if frequency_penalty is not None:
+        req.sampling.frequency_penalty = frequency_penalty
+    if repetition_penalty is not None:
+        req.sampling.repetition_penalty = repetition_penalty
+    if repeat_last_n is not None:
+        req.sampling.repeat_last_n = repeat_last_n
     return req
 
 
