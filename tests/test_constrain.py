@@ -15,7 +15,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from agent.engine.constrain import CACHE_ENTRIES, MISSING_EXTRA, ConstraintCompiler
+from agent.engine.constrain import ENTRY_MIN_BYTES, MISSING_EXTRA, ConstraintCompiler
 from agent.engine.engine import Engine
 from agent.engine.sampler import Sampler, SamplingParams
 from agent.engine.types import Constraint, GenerateRequest
@@ -286,15 +286,19 @@ def test_constrained_greedy_takes_the_best_allowed_token(sp: Engine) -> None:
 
 
 def test_compilation_is_cached_in_a_bounded_lru(sp: Engine) -> None:
-    compiler = sp._intake.constraints()
+    """The cache is bounded in bytes (each entry's measured size), not in entries."""
+    compiler = ConstraintCompiler(sp.tokenizer, sp.meta.stop_ids, cache_max_bytes=1 << 20)
     c = Constraint("regex", "(cached|lru)")
     first = compiler.compile(c)
     hits = compiler.hits
     assert compiler.compile(Constraint("regex", "(cached|lru)")) is first
     assert compiler.hits == hits + 1
-    for i in range(CACHE_ENTRIES + 3):
+    for i in range(40):
         compiler.compile(Constraint("regex", f"x{{{i + 1}}}"))
-    assert len(compiler._cache) == CACHE_ENTRIES
+        assert compiler.cache_bytes <= compiler.cache_max_bytes
+        assert compiler.cache_bytes == sum(size for _, size in compiler._cache.values())
+    assert all(size >= ENTRY_MIN_BYTES for _, size in compiler._cache.values())
+    assert len(compiler._cache) < 40  # 40 entries of at least 64 KiB do not fit in 1 MiB
     assert compiler.compile(c) is not first  # the oldest went out
 
 
@@ -536,7 +540,7 @@ def test_without_llguidance_a_constrained_request_names_the_extra(tiny_model_dir
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert out.stdout.strip() == MISSING_EXTRA, out.stderr
-    assert "'structured' extra" in MISSING_EXTRA
+    assert "32-bit Arm" in MISSING_EXTRA
 
 
 def test_grpc_constraint_fields_through_a_real_daemon(tmp_path, tiny_model_dir) -> None:

@@ -1,9 +1,13 @@
 """Structured output: a `Constraint` compiled into a token mask by llguidance.
 
 `ConstraintCompiler` (one per engine, on its tokenizer) turns a request's `Constraint` into a
-`CompiledConstraint` on the caller's thread, before the request is queued: a grammar the
-library rejects is an `InvalidRequest` naming why. Compiled grammars are kept in a small LRU
-keyed by (kind, text), so a schema used again costs a copy of its matcher, not a compilation.
+`CompiledConstraint` before the request is queued: the text is first measured against
+`agent.engine.constraint_limits` (llguidance overflows its stack or balloons past them), then
+compiled on `agent.engine.constraint_compile`'s worker thread under a deadline. A grammar the
+library or a limit refuses is an `InvalidRequest` naming why, in one line of our words.
+Compiled grammars are kept in an LRU bounded in bytes (each entry's size measured as the
+process's RSS growth while it compiled) keyed by (kind, text), so a schema used again costs a
+copy of its matcher, not a compilation.
 
 Per request, `CompiledConstraint.start()` gives a `ConstraintState` (the matcher's copy, owned
 by the request's `Sampler` like its RNG): before each draw it masks every token that would
@@ -12,14 +16,13 @@ draw it advances on the chosen token.
 
 llguidance is fed from our own tokenizer: each id's exact bytes (`Tokenizer.token_bytes`:
 SentencePiece ``▁`` as a space and ``<0xNN>`` pieces as their byte, byte-level BPE's ``Ġ``
-alphabet undone), so a grammar that needs a space gets the tokens that hold one. It is an
-optional extra (``edge-agent[structured]``): there are no armv7l wheels, and there a
-constrained request is refused with an error naming the extra.
+alphabet undone), so a grammar that needs a space gets the tokens that hold one. It is in the
+default install wherever it has a wheel; 32-bit Arm has none, and there a constrained request
+is refused with one line saying so (`MISSING_EXTRA`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections import OrderedDict
@@ -29,17 +32,31 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from agent.engine.constraint_compile import COMPILE_TIMEOUT_S, CompileWorker, rss_bytes
+from agent.engine.constraint_limits import (
+    LIMITS,
+    check_lark,
+    check_pattern,
+    check_schema,
+    parse_schema,
+)
+from agent.engine.json_keys import GrammarState, distinct_keys
+from agent.engine.schema_rewrite import rewrite_schema
 from agent.engine.types import CONSTRAINT_KINDS, Constraint
-from agent.errors import InvalidRequest, RuntimeFailure
+from agent.errors import ConstraintFailed, InvalidRequest, RuntimeFailure
 from agent.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-CACHE_ENTRIES = 32  # compiled grammars kept per engine
-MAX_CONSTRAINT_CHARS = 1 << 16
+CACHE_MAX_BYTES = 64 << 20  # compiled grammars kept per engine, by their measured size
+ENTRY_MIN_BYTES = 64 << 10  # an entry counts at least this (an RSS delta can read as ~0)
+MAX_CONSTRAINT_CHARS = LIMITS.max_chars
+# llguidance's own limits: no internal state in its messages; lexer states (1-2 kB each) are
+# what a grammar grows while it generates, so they bound a cached entry's later growth
+PARSER_LIMITS = {"verbose_errors": False, "max_lexer_states": 20_000}
 MISSING_EXTRA = (
-    "structured output needs the optional 'structured' extra (llguidance), which is not "
-    "installed here: pip install 'edge-agent[structured]' (it has no wheel for 32-bit Arm)"
+    "structured output needs llguidance, which is not installed here: it is part of the "
+    "default install wherever it has a wheel (x86_64, aarch64), and 32-bit Arm has none"
 )
 
 
@@ -158,7 +175,7 @@ class ConstraintState:
         data = self._tokens.unspellable()
         if data is not None:
             return _unspellable_message(data)
-        return _one_line(self._matcher.get_error())
+        return library_message(self._matcher.get_error())
 
     def mask(self, logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
         """`logits` with every token the grammar forbids here at -inf (a new array)."""
@@ -169,11 +186,11 @@ class ConstraintState:
         m = self._matcher
         self._np.fill_next_token_bitmask(m, self._bits)
         if m.is_error():
-            raise RuntimeFailure(f"constraint: {self._why()}")
+            raise ConstraintFailed(f"constraint: {self._why()}")
         allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self._vocab]
         allowed[self._stop] = m.is_accepting()
         if not allowed.any():
-            raise RuntimeFailure("constraint: no token can continue the output")
+            raise ConstraintFailed("constraint: no token can continue the output")
         self._allowed = allowed.view(np.bool_)
         return np.where(self._allowed, logits, np.float32(-np.inf))
 
@@ -185,7 +202,7 @@ class ConstraintState:
         if token in self._stop:
             return
         if not self._matcher.consume_token(token):
-            raise RuntimeFailure(f"constraint: token {token} refused: {self._why()}")
+            raise ConstraintFailed(f"constraint: token {token} refused: {self._why()}")
 
 
 class CompiledConstraint:
@@ -205,8 +222,10 @@ class CompiledConstraint:
         self._vocab = vocab
         self._tokens = tokens
 
-    def start(self) -> ConstraintState:
-        return ConstraintState(self._matcher.deep_copy(), self._stop, self._vocab, self._tokens)
+    def start(self) -> GrammarState:
+        state = ConstraintState(self._matcher.deep_copy(), self._stop, self._vocab, self._tokens)
+        c = self.constraint  # JSON: no object holds a key twice (agent.engine.json_keys)
+        return distinct_keys(state, c.kind, c.text, self._tokens.tokens, self._stop)
 
 
 def _one_line(message: str, limit: int = 400) -> str:
@@ -215,8 +234,29 @@ def _one_line(message: str, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+# llguidance's words → ours, for the messages a client sees
+_LIBRARY_WORDS = {
+    "NoExtensionBias": "the grammar accepts no output here (a rule or $ref that never reaches "
+    "a value?)",
+    "too many expressions constructed": "its patterns grew past the constraint library's "
+    "limit (large or nested repetitions)",
+    "ParserTooComplex": "the grammar is too ambiguous for the constraint library's limits",
+    "LexerTooComplex": "a pattern is too complex for the constraint library's limits",
+}
+
+
+def library_message(message: str) -> str:
+    """What llguidance said, in one bounded line without its internal state dump."""
+    first = str(message).split("<state>", 1)[0].replace("<non-verbose/>", "")
+    for words, ours in _LIBRARY_WORDS.items():
+        if words in first:
+            return ours
+    return _one_line(first, 300)
+
+
 def grammar_text(llg: Any, constraint: Constraint) -> str:
-    """The constraint as llguidance's grammar, or InvalidRequest for one it cannot take."""
+    """The constraint as llguidance's grammar, or InvalidRequest for one it cannot take or
+    one past `agent.engine.constraint_limits`."""
     kind, text = constraint.kind, constraint.text
     if kind not in CONSTRAINT_KINDS:
         raise InvalidRequest(
@@ -228,12 +268,11 @@ def grammar_text(llg: Any, constraint: Constraint) -> str:
         text = '{"type": "object"}'
         kind = "json_schema"
     if kind == "json_schema":
-        try:
-            schema = json.loads(text)
-        except ValueError as exc:
-            raise InvalidRequest(f"json_schema is not JSON: {exc}") from exc
+        schema = parse_schema(text)
         if not isinstance(schema, dict | bool):
             raise InvalidRequest("json_schema must be a JSON object (a schema)")
+        check_schema(schema)
+        schema = rewrite_schema(schema).schema  # what the schema means, not only its syntax
         try:
             return str(
                 llg.LLMatcher.grammar_from_json_schema(
@@ -241,22 +280,38 @@ def grammar_text(llg: Any, constraint: Constraint) -> str:
                 )
             )
         except ValueError as exc:
-            raise InvalidRequest(f"json_schema is not supported: {_one_line(str(exc))}") from exc
+            raise InvalidRequest(
+                f"json_schema is not supported: {library_message(str(exc))}"
+            ) from exc
     if not text:
         raise InvalidRequest(f"{kind} is empty")
     if kind == "regex":
+        check_pattern(text)
         return str(llg.LLMatcher.grammar_from_regex(text))
+    check_lark(text)
     return str(llg.LLMatcher.grammar_from_lark(text))
 
 
 class ConstraintCompiler:
-    """Compiles constraints for one tokenizer; thread-safe, with a bounded cache."""
+    """Compiles constraints for one tokenizer on a worker thread; thread-safe, with a cache
+    bounded in bytes."""
 
-    def __init__(self, tokenizer: Tokenizer, stop_ids: Iterable[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop_ids: Iterable[int],
+        *,
+        cache_max_bytes: int = CACHE_MAX_BYTES,
+        timeout_s: float = COMPILE_TIMEOUT_S,
+    ) -> None:
         self._tokenizer = tokenizer
         self._stop = frozenset(stop_ids)
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple[str, str], CompiledConstraint] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], tuple[CompiledConstraint, int]] = OrderedDict()
+        self.cache_max_bytes = cache_max_bytes
+        self.cache_bytes = 0
+        self._timeout = timeout_s
+        self._worker: CompileWorker | None = None
         self._lltok: Any = None
         self._tokens: _Tokens | None = None
         self.hits = 0
@@ -274,41 +329,65 @@ class ConstraintCompiler:
         return self._lltok
 
     def compile(self, constraint: Constraint) -> CompiledConstraint:
-        """The compiled constraint (cached), or InvalidRequest naming what is unsupported."""
+        """The compiled constraint (cached), or InvalidRequest naming what is unsupported or
+        which limit it passes; Overloaded when too many compiles already wait."""
         key = (constraint.kind, constraint.text if constraint.kind != "json_object" else "")
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 self.hits += 1
-                return hit
+                return hit[0]
+            if self._worker is None:
+                self._worker = CompileWorker()
+            worker = self._worker
+        what = f"{constraint.kind} ({len(constraint.text)} characters)"
+        compiled, size = worker.run(lambda: self._build(constraint), self._timeout, what)
+        with self._lock:
+            self.misses += 1
+            if key not in self._cache:
+                self._cache[key] = (compiled, size)
+                self.cache_bytes += size
+            while self.cache_bytes > self.cache_max_bytes and len(self._cache) > 1:
+                _, (_, dropped) = self._cache.popitem(last=False)
+                self.cache_bytes -= dropped
+        log.info(
+            "constraint compiled: %s, %d characters, ~%d KiB",
+            constraint.kind,
+            len(constraint.text),
+            size >> 10,
+        )
+        return compiled
+
+    def _build(self, constraint: Constraint) -> tuple[CompiledConstraint, int]:
+        """On the worker: check, compile, take the first mask; the entry's measured size."""
+        before = rss_bytes()
         llg = _llguidance()
         grammar = grammar_text(llg, constraint)
         with self._lock:
             lltok = self._ll_tokenizer(llg)
             tokens = self._tokens
         assert tokens is not None
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, lltok)
+        limits = llg.LLParserLimits(**PARSER_LIMITS)
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
+            grammar, lltok, limits=limits
+        )
         if is_error:
-            raise InvalidRequest(f"{constraint.kind} is not supported: {_one_line(messages[0])}")
-        matcher = llg.LLMatcher(lltok, grammar, log_level=0)
+            why = library_message(messages[0])
+            raise InvalidRequest(f"{constraint.kind} is not supported: {why}")
+        matcher = llg.LLMatcher(lltok, grammar, log_level=0, limits=limits)
         if matcher.is_error():
-            why = _one_line(matcher.get_error())
+            why = library_message(matcher.get_error())
             raise InvalidRequest(f"{constraint.kind} is not supported: {why}")
         compiled = CompiledConstraint(
             constraint, matcher, self._stop, self._tokenizer.vocab_size, tokens
         )
         try:  # the first mask: a grammar this vocabulary cannot even start is the request's fault
             compiled.start().mask(np.zeros(self._tokenizer.vocab_size, dtype=np.float32))
-        except RuntimeFailure as exc:
+        except ConstraintFailed as exc:
             why = str(exc).removeprefix("constraint: ")
             raise InvalidRequest(f"{constraint.kind} cannot be written by this model: {why}") from (
                 exc
             )
-        with self._lock:
-            self.misses += 1
-            self._cache[key] = compiled
-            while len(self._cache) > CACHE_ENTRIES:
-                self._cache.popitem(last=False)
-        log.info("constraint compiled: %s, %d characters", constraint.kind, len(constraint.text))
-        return compiled
+        size = max(rss_bytes() - before, ENTRY_MIN_BYTES, 16 * len(grammar))
+        return compiled, size
