@@ -130,6 +130,53 @@ def test_a_client_served_last_waits_behind_a_newcomer() -> None:
     assert s.admit() == [("a", 2)]
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("submit"), st.sampled_from("abcd")),
+            st.tuples(st.just("admit"), st.just("")),
+            st.tuples(st.just("finish"), st.just("")),
+            st.tuples(st.just("cancel"), st.sampled_from("abcd")),
+        ),
+        max_size=60,
+    )
+)
+def test_admission_properties(ops: list[tuple[str, str]]) -> None:
+    """Whatever the sequence: each client's requests start in its own order, every admission
+    goes to the waiting client admitted least recently, and the per-client counts stay exact."""
+    s: Scheduler[tuple[str, int]] = Scheduler(2, 12, client=by_client, per_client=4)
+    n = 0
+    started: dict[str, list[int]] = {}
+    last: dict[str, int] = {}  # the test's own record of each client's last admission
+    t = 0
+    for op, who in ops:
+        if op == "submit":
+            try:
+                s.submit((who, n))
+            except Overloaded:
+                assert len(s.waiting) == 12 or sum(w[0] == who for w in s.waiting) == 4
+            n += 1
+        elif op == "admit":
+            for item in s.admit():
+                waiting_clients = {w[0] for w in s.waiting} | {item[0]}
+                assert all(last.get(item[0], -1) <= last.get(c, -1) for c in waiting_clients)
+                started.setdefault(item[0], []).append(item[1])
+                last[item[0]] = t
+                t += 1
+        elif op == "finish" and s.running:
+            s.finish(s.running[0])
+        elif op == "cancel":
+            s.drop_waiting(lambda w, who=who: w[0] != who)  # type: ignore[misc]
+        for c in "abcd":
+            assert s._queued[c] == sum(w[0] == c for w in s.waiting)
+        for c in list(last):  # a client with nothing left starts afresh, in both records
+            if c not in s._last:
+                del last[c]
+    for ids in started.values():
+        assert ids == sorted(ids)
+
+
 def test_each_client_may_keep_its_quota_waiting() -> None:
     s: Scheduler[tuple[str, int]] = Scheduler(1, 8, client=by_client, per_client=3)
     for i in range(3):

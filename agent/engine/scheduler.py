@@ -14,7 +14,7 @@ its own, not fifty. Each client may keep at most `per_client` requests waiting.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -49,6 +49,7 @@ class Scheduler(Generic[T]):
         self._cursor = 0
         self._client = client
         self._admissions = 0
+        self._queued: Counter[str] = Counter()  # client -> its requests in `waiting`
         # client -> number of its last admission; only clients with a request waiting or running
         self._last: dict[str, int] = {}
 
@@ -61,7 +62,7 @@ class Scheduler(Generic[T]):
                 f"{len(self.running)} running); try again later"
             )
         who = self._client(item)
-        mine = sum(1 for w in self.waiting if self._client(w) == who)
+        mine = self._queued[who]
         if mine >= self.per_client:
             raise QuotaExceeded(
                 "waiting_per_client",
@@ -70,6 +71,7 @@ class Scheduler(Generic[T]):
                 "wait for one of them to start",
             )
         self.waiting.append(item)
+        self._queued[who] += 1
 
     def admit(self) -> list[T]:
         """Move waiting requests into free running slots, round-robin over clients; returns
@@ -79,7 +81,9 @@ class Scheduler(Generic[T]):
             i = self._pick()
             item = self.waiting[i]
             del self.waiting[i]
-            self._last[self._client(item)] = self._admissions
+            who = self._client(item)
+            self._unqueue(who)
+            self._last[who] = self._admissions
             self._admissions += 1
             self.running.append(item)
             admitted.append(item)
@@ -112,6 +116,8 @@ class Scheduler(Generic[T]):
         dropped = [w for w in self.waiting if not keep(w)]
         if dropped:
             self.waiting = deque(w for w in self.waiting if keep(w))
+            for w in dropped:
+                self._unqueue(self._client(w))
             for who in {self._client(w) for w in dropped}:
                 self._forget(who)
         return dropped
@@ -122,6 +128,8 @@ class Scheduler(Generic[T]):
 
     def _pick(self) -> int:
         """Index in `waiting` of the first request of the client admitted least recently."""
+        if len(self._queued) == 1:
+            return 0  # one client waiting: its oldest
         best, best_key = 0, (0, 0)
         seen: set[str] = set()
         for i, item in enumerate(self.waiting):
@@ -132,11 +140,20 @@ class Scheduler(Generic[T]):
             key = (self._last.get(who, -1), i)
             if not i or key < best_key:
                 best, best_key = i, key
+            if len(seen) == len(self._queued):
+                break  # every waiting client's first request seen
         return best
+
+    def _unqueue(self, who: str) -> None:
+        self._queued[who] -= 1
+        if not self._queued[who]:
+            del self._queued[who]
 
     def _forget(self, who: str) -> None:
         """A client with nothing waiting or running starts afresh (keeps `_last` bounded)."""
-        if who in self._last and not any(
-            self._client(x) == who for x in (*self.waiting, *self.running)
+        if (
+            who in self._last
+            and who not in self._queued
+            and not any(self._client(x) == who for x in self.running)
         ):
             del self._last[who]
