@@ -15,6 +15,9 @@ import re
 log = logging.getLogger(__name__)
 
 MAX_PATTERN_CHARS = 200  # longer patterns are not listed (their machines can be large)
+# (unescaped) *, +, {n,}, ., [^...], \w \W \S \D: infinitely or too many names, known
+# without building a machine (greenery can take seconds on such patterns)
+_UNBOUNDED = re.compile(r"(?<!\\)(?:\\\\)*(?:[*+.]|\{\d*,\}|\[\^|\\[wWSD])")
 
 
 def finite_names(pattern: str, limit: int) -> list[str] | None:
@@ -25,6 +28,8 @@ def finite_names(pattern: str, limit: int) -> list[str] | None:
     if not (pattern.startswith("^") and pattern.endswith("$") and not pattern.endswith("\\$")):
         return None
     inner = pattern[1:-1]
+    if _UNBOUNDED.search(inner):
+        return None  # a repetition without an upper bound, or a class of most characters
     if "^" in inner.replace("[^", "") or "$" in inner.replace("\\$", ""):
         return None  # anchors inside: not one anchored expression
     try:

@@ -53,14 +53,24 @@ MAX_NAMES = 64  # keys a finite patternProperties pattern is written out into
 NARROW, SUBSET, EXACT = 2, 1, 0
 
 _ONE = ("items", "additionalProperties", "additionalItems")  # instances' parts
-_LIST = ("prefixItems", "anyOf", "items")
+_LIST = ("prefixItems", "items")
 _MAP = ("properties", "patternProperties")
 _OTHER_ONE = ("unevaluatedItems", "unevaluatedProperties", "contains", "propertyNames")
 _OTHER_MAP = ("$defs", "definitions", "dependentSchemas")
 # keywords under which a narrower subschema may mean a wider whole: left as they are
 # (llguidance implements none of them and refuses the schema)
 _UNTOUCHED = ("not", "if", "then", "else")
-_COMPOSED = ("allOf", "$ref", "$dynamicRef", "if", "dependentSchemas", "dependencies")
+# keywords that describe an instance together with the rest of their schema
+_COMPOSED = (
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "$ref",
+    "$dynamicRef",
+    "if",
+    "dependentSchemas",
+    "dependencies",
+)
 _OBJECT_KEYS = (
     "properties",
     "patternProperties",
@@ -126,6 +136,8 @@ class _Walk:
         if any(key in node for key in _UNTOUCHED):
             return node  # a narrower part could widen the whole
         out = dict(node)
+        # A subschema beside allOf/$ref/anyOf... describes the same instance as they do: its
+        # parts may be described there too, so none of them is given fewer keys.
         inner = min(mode, SUBSET) if any(k in node for k in _COMPOSED) else mode
         for key in _ONE:
             if key in node:
@@ -135,15 +147,23 @@ class _Walk:
                 out[key] = {
                     k: self.node(s, f"{path}.{key}.{k}", inner) for k, s in node[key].items()
                 }
-        for key, sub_mode in (*((k, inner) for k in _LIST), ("allOf", min(mode, SUBSET))):
+        for key in _LIST:
+            if isinstance(node.get(key), list):
+                out[key] = [
+                    self.node(s, f"{path}.{key}[{i}]", inner) for i, s in enumerate(node[key])
+                ]
+        # anyOf's branches are whole alternatives only where nothing beside them describes
+        # the object; allOf's never are; oneOf's may not be narrowed at all
+        alone = not any(k in node for k in (*_OBJECT_KEYS, "allOf", "$ref", "oneOf"))
+        for key, sub_mode in (
+            ("anyOf", mode if alone else min(mode, SUBSET)),
+            ("allOf", min(mode, SUBSET)),
+            ("oneOf", EXACT),
+        ):
             if isinstance(node.get(key), list):
                 out[key] = [
                     self.node(s, f"{path}.{key}[{i}]", sub_mode) for i, s in enumerate(node[key])
                 ]
-        if isinstance(node.get("oneOf"), list):
-            out["oneOf"] = [
-                self.node(s, f"{path}.oneOf[{i}]", EXACT) for i, s in enumerate(node["oneOf"])
-            ]
         for key in _OTHER_ONE:
             if key in node:
                 out[key] = self.node(node[key], f"{path}.{key}", min(mode, SUBSET))
@@ -154,6 +174,8 @@ class _Walk:
                     for k, s in node[key].items()
                 }
         if any(k in node for k in _BOUNDS) and _bounds(out, path, exact=mode == EXACT):
+            self.changes.append(path)
+        if mode != EXACT and (_unique(out) | _dependent(out)):
             self.changes.append(path)
         if _is_object(out) and _object(out, path, inner):
             self.changes.append(path)
@@ -209,6 +231,39 @@ def _object(out: dict[str, Any], path: str, mode: int) -> bool:
     if changed:
         out["properties"] = props
         out["additionalProperties"] = False
+    return changed
+
+
+def _unique(out: dict[str, Any]) -> bool:
+    """``uniqueItems`` (which llguidance does not implement) as arrays of at most one item,
+    which are unique; left for llguidance to refuse where minItems asks for more."""
+    if out.get("uniqueItems") is False:
+        del out["uniqueItems"]
+        return True
+    low, high = out.get("minItems", 0), out.get("maxItems")
+    if out.get("uniqueItems") is not True or not isinstance(low, int) or low > 1:
+        return False
+    del out["uniqueItems"]
+    out["maxItems"] = 1 if not isinstance(high, int) else min(high, 1)
+    return True
+
+
+def _dependent(out: dict[str, Any]) -> bool:
+    """``dependentRequired`` (and draft 4's ``dependencies`` with name lists), which llguidance
+    does not implement, met by requiring every name they list: then each is always there."""
+    changed = False
+    for key in ("dependentRequired", "dependencies"):
+        deps = out.get(key)
+        if not isinstance(deps, dict) or not all(
+            isinstance(v, list) and all(isinstance(n, str) for n in v) for v in deps.values()
+        ):
+            continue
+        required = [r for r in out.get("required", []) if isinstance(r, str)]
+        for names in deps.values():
+            required += [n for n in names if n not in required]
+        out["required"] = required
+        del out[key]
+        changed = True
     return changed
 
 
@@ -308,7 +363,7 @@ def _bounds(out: dict[str, Any], path: str, exact: bool) -> bool:
         if low is not None and high is not None and low > high:
             raise _refuse(path, "the integer bounds hold no integer")
         if (low is not None and low > INT_LIMIT) or (high is not None and high < -INT_LIMIT):
-            raise _refuse(path, f"integer bounds {low}..{high} lie beyond ±2^59, {_WHY_INT}")
+            raise _refuse(path, f"integer range {_span(low, high)} lies beyond ±2^59, {_WHY_INT}")
         if low is not None:
             new["minimum"] = _float_grid(max(low, -INT_LIMIT), up=True)
         if high is not None:
@@ -319,13 +374,19 @@ def _bounds(out: dict[str, Any], path: str, exact: bool) -> bool:
         if moved and (exact or _empty(new)):
             raise _refuse(
                 path,
-                f"integer bounds {low}..{high} cannot be kept exactly, {_WHY_INT}",
+                f"integer range {_span(low, high)} cannot be kept exactly, {_WHY_INT}",
             )
     else:
+        # Under oneOf an open bound at 0 stays llguidance's own (exact on decimals; only a
+        # decimal of 300-odd zeros would parse to 0.0): 1e-30 would narrow the branch.
+        if exact and lo == 0 and lo_open:
+            new["exclusiveMinimum"], lo = 0, None
+        if exact and hi == 0 and hi_open:
+            new["exclusiveMaximum"], hi = 0, None
         flo = None if lo is None else _inward(lo, lo_open, up=True)
         fhi = None if hi is None else _inward(hi, hi_open, up=False)
         if (flo is not None and flo > NUM_LIMIT) or (fhi is not None and fhi < -NUM_LIMIT):
-            raise _refuse(path, f"number bounds {flo}..{fhi} lie beyond ±1e18, {_WHY_NUM}")
+            raise _refuse(path, f"number range {_span(flo, fhi)} lies beyond ±1e18, {_WHY_NUM}")
         if flo is not None:
             new["minimum"] = _clamp(flo, up=True)
         if fhi is not None:
@@ -334,7 +395,7 @@ def _bounds(out: dict[str, Any], path: str, exact: bool) -> bool:
         if moved and (exact or _empty(new)):
             raise _refuse(
                 path,
-                f"number bounds {flo}..{fhi} cannot be kept exactly, {_WHY_NUM}",
+                f"number range {_span(flo, fhi)} cannot be kept exactly, {_WHY_NUM}",
             )
     if _empty(new):
         raise _refuse(path, "the bounds hold no number")
@@ -342,12 +403,19 @@ def _bounds(out: dict[str, Any], path: str, exact: bool) -> bool:
         out.pop(key, None)
     for key, value in new.items():  # an unchanged bound keeps its own spelling (0, not 0.0)
         same = key in old and old[key] is not True and _bound(old[key], key, path) == value
+        same = same or key.startswith("exclusive")
         out[key] = old[key] if same else value
     return old != {k: out[k] for k in _BOUNDS if k in out}
 
 
 _WHY_INT = "which llguidance cannot bound exactly (its integer bounds pass through floats)"
 _WHY_NUM = "which llguidance cannot bound (it takes ±1e18, and no closer to 0 than 1e-30)"
+
+
+def _span(low: float | None, high: float | None) -> str:
+    if low is None:
+        return f"<= {high}"
+    return f">= {low}" if high is None else f"{low}..{high}"
 
 
 def _empty(new: dict[str, int | float]) -> bool:
