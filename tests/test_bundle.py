@@ -315,7 +315,8 @@ def test_cli_update_make_and_inspect(
         "update", "make", str(dirs.base), str(dirs.new),
         "--key", str(tmp_path / "k" / "old.key"), "--key", str(tmp_path / "k" / "new.key"),
         "-o", str(out), "--version", "7", "--expires-in", "12h",
-        "--profile", "raspberry-pi-5", "--profile", "raspberry-pi-4", "--arch", "aarch64",
+        "--compatible-profile", "raspberry-pi-5", "--compatible-profile", "raspberry-pi-4",
+        "--arch", "aarch64",
         "--min-agent-version", "0.1.0", "--url", "https://updates.example/b.bin", "--json",
     ]  # fmt: skip
     assert _run(argv) == 0
@@ -439,3 +440,20 @@ def test_cli_update_make_with_a_canary(
 )
 def test_parse_duration(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
+
+
+def test_update_make_profile_flag_was_renamed(dirs: Dirs, tmp_path: Path) -> None:
+    """`--profile` means "run with this profile" everywhere else: on `update make` it is
+    refused with the new name, never taken as the devices allowed to install."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "agent", "update", "make", str(dirs.base), str(dirs.new),
+         "--key", str(tmp_path / "none.key"), "-o", str(tmp_path / "b.tar"), "--version", "2",
+         "--profile", "raspberry-pi-5"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--compatible-profile" in done.stderr.splitlines()[-1]
+    assert not (tmp_path / "b.tar").exists()

@@ -176,6 +176,14 @@ def cmd_update_inspect(args: argparse.Namespace) -> int:
     return EXIT_EXPIRED if doc["expired"] or doc["not_yet_valid"] else 0
 
 
+class _Renamed(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kw: object) -> None:
+        parser.error(
+            "--profile was renamed --compatible-profile (the device profiles that may install "
+            "the update); --canary-profile names the profile the models run with here"
+        )
+
+
 def add_update_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``update make`` and ``update inspect`` to the CLI's subparsers (each sets `func`)."""
     top = subparsers.add_parser("update", help="make and inspect signed model update bundles")
@@ -195,13 +203,15 @@ def add_update_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     p.add_argument("--expires-in", default="7d", help="validity, e.g. 12h, 7d, 2w (default: 7d)")
     p.add_argument("--url", help="where devices download the payload (default: over MQTT)")
     p.add_argument(
-        "--profile",
+        "--compatible-profile",
         dest="compatible_profiles",
         action="append",
         default=[],
         metavar="PROFILE",
         help="a device profile that may install it (repeat; default: any)",
     )
+    # `--profile` means "run with this profile" everywhere else; here it once meant the above
+    p.add_argument("--profile", action=_Renamed, help=argparse.SUPPRESS)
     p.add_argument(
         "--arch", action="append", default=[], help="aarch64, x86_64, ... (repeat; default: any)"
     )

@@ -8,6 +8,7 @@ calling thread; foreign errors become `FleetError` there).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import secrets
 import shutil
@@ -258,7 +259,7 @@ def send(
     reply_topic = topics.response(requester)
     correlation = secrets.token_bytes(16)
     answers: list[pb.CommandResponse] = []
-    states: list[pb.DeviceState] = []
+    states: list[_HeardState] = []
 
     def on_message(msg: mqtt.MQTTMessage) -> None:
         if msg.topic == topics.state:
@@ -294,22 +295,41 @@ def send(
     return answers[0]
 
 
-def _keep_state(msg: mqtt.MQTTMessage, states: list[pb.DeviceState]) -> None:
+@dataclasses.dataclass(frozen=True, slots=True)
+class _HeardState:
+    state: pb.DeviceState
+    received_unix: float
+    retained: bool  # the broker's copy from before we subscribed, not a live arrival
+
+
+def _keep_state(msg: mqtt.MQTTMessage, states: list[_HeardState]) -> None:
     if not msg.payload:
         return
     with contextlib.suppress(PayloadError):  # only a hint for the timeout message
-        states.append(decode_message(pb.DeviceState, msg))
+        states.append(_HeardState(decode_message(pb.DeviceState, msg), time.time(), msg.retain))
 
 
-def _last_state(states: list[pb.DeviceState], prefix: str) -> str:
+def _last_state(states: list[_HeardState], prefix: str) -> str:
+    """What the device's state says, with the right age: a Will's timestamp is when the device
+    set it (at connect), not when it was lost, so a loss is dated only when we saw it arrive."""
     if not states:
         return f"no state was ever published for it under {prefix}"
-    s = states[-1]
+    heard = states[-1]
+    s, now = heard.state, time.time()
     kinds = {
         State.ONLINE: Presence.ONLINE,
         State.OFFLINE: Presence.OFFLINE,
         State.LOST: Presence.LOST,
     }
     kind = kinds.get(s.state, f"kind {s.state}")
-    written = age(time.time() - s.timestamp_unix)
-    return f"its retained state: {kind}, session {s.session}, written {written} ago"
+    if s.state == State.LOST and not heard.retained:
+        when = f"lost {age(now - heard.received_unix)} ago"
+    elif s.state == State.LOST:
+        when = (
+            "lost at a time the broker does not say (its Will was set "
+            f"{age(now - s.timestamp_unix)} ago, when it connected)"
+        )
+    else:
+        when = f"written {age(now - s.timestamp_unix)} ago"
+    where = "retained" if heard.retained else "latest"
+    return f"its {where} state: {kind}, session {s.session}, {when}"
