@@ -68,6 +68,11 @@ class ContextOverflow(InvalidRequest):
         super().__init__(text)
 
 
+class ConstraintFailed(InvalidRequest):
+    """A request's constraint could not go on while it generated (the grammar hit one of the
+    constraint library's limits): the request's fault, not the daemon's; the message is ours."""
+
+
 class RuntimeFailure(AgentError):
     """LiteRT failed while running a signature."""
 

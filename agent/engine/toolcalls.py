@@ -47,6 +47,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from agent.engine.constraint_limits import parse_schema
 from agent.engine.types import (
     TOOL_CHOICES,
     ChatMessage,
@@ -106,10 +107,8 @@ def format_of(template_source: str) -> str:
 
 
 def _parameters(tool: Tool) -> dict[str, Any]:
-    try:
-        schema = json.loads(tool.parameters)
-    except ValueError as exc:
-        raise InvalidRequest(f"tool {tool.name!r}: parameters is not JSON: {exc}") from exc
+    # nesting checked before json.loads recurses (a 100k-deep text was a RecursionError)
+    schema = parse_schema(tool.parameters, f"tool {tool.name!r}: parameters")
     if not isinstance(schema, dict):
         raise InvalidRequest(f"tool {tool.name!r}: parameters must be a JSON object (a schema)")
     return schema

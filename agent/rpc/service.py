@@ -136,7 +136,9 @@ class AgentService:
             engine = self._backend.engine()
             domain = to_request(request, engine, self._max_tokens, self.owner(context))
             tools = ToolReader.of(domain, engine)  # a chat with tools: read its calls at the end
-            handle = engine.submit(domain, sink, timeout=context.time_remaining())
+            timeout = context.time_remaining()
+            # submit compiles a constraint and tokenizes: a worker thread's work, not the loop's
+            handle = await _submit_off_loop(lambda: engine.submit(domain, sink, timeout=timeout))
         except AgentError as exc:
             log.info("generate refused: %s", exc)
             if metrics is not None:
@@ -199,6 +201,22 @@ class AgentService:
 
     def GetStatus(self, request: pb.GetStatusRequest, owner: str) -> pb.AgentStatus:
         return status_message(self._backend.status())
+
+
+async def _submit_off_loop(submit: Callable[[], Any]) -> Any:
+    """`submit()` (it returns a request's handle) on a worker thread; if the call is cancelled
+    meanwhile, the request it queued is cancelled as soon as the thread returns it."""
+    future = asyncio.get_running_loop().run_in_executor(None, submit)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+
+        def cancel_queued(f: asyncio.Future[Any]) -> None:
+            if not f.cancelled() and f.exception() is None:
+                f.result().cancel()
+
+        future.add_done_callback(cancel_queued)
+        raise
 
 
 def _unary(
