@@ -66,6 +66,7 @@ def watch(
     out: TextIO | None = None,
     size: Callable[[], tuple[int, int]] | None = None,
     stop: threading.Event | None = None,
+    screen: bool | None = None,
 ) -> FleetView:
     """Subscribe to every device's state and health under `prefix` and build the view.
 
@@ -73,6 +74,8 @@ def watch(
     after connecting). Otherwise redraw the table on `out` (default stdout; at most twice a
     second, sized by `size()` = (columns, lines), default the terminal) until Ctrl-C or `stop`
     is set, reconnecting with backoff if the broker goes away; returns the last view.
+    `screen` (default: whether `out` is a terminal): redraw in place with cursor codes; else
+    (a pipe, a file) write the whole table again, plain, each time it changes.
     """
     view = FleetView(prefix, stale_after_s)
     changed = [True]
@@ -113,7 +116,10 @@ def watch(
     try:
         if not once:
             shown = (filter, group)
-            _live(current, open_link, view, changed, shown, out or sys.stdout, size, stop)
+            out = out or sys.stdout
+            if screen is None:
+                screen = _is_terminal(out)
+            _live(current, open_link, view, changed, shown, out, size, stop, screen)
             return view
         last_retained[0] = time.monotonic()
         while True:
@@ -141,6 +147,13 @@ def watch(
         current[0].close()
 
 
+def _is_terminal(out: TextIO) -> bool:
+    try:
+        return out.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def _terminal_size() -> tuple[int, int]:
     s = shutil.get_terminal_size((120, 40))
     return s.columns, s.lines
@@ -155,8 +168,10 @@ def _live(
     out: TextIO,
     size: Callable[[], tuple[int, int]] | None,
     stop: threading.Event | None,
+    screen: bool,
 ) -> None:
-    """Redraw until Ctrl-C or `stop`; `current[0]` is the link, replaced on reconnects."""
+    """Redraw until Ctrl-C or `stop`; `current[0]` is the link, replaced on reconnects. Not on
+    a `screen`: no cursor codes, and a new table only when something changed."""
     url = current[0].url
     status = ""  # while disconnected: why, in place of the title
     drawn_at = -REFRESH_S
@@ -167,8 +182,11 @@ def _live(
         title = status or f"edge-agent fleet watch · {url} · {view.prefix} · Ctrl-C quits"
         rows = max(1, lines - HEADER_LINES - 1)
         table = render(view, time.time(), columns, rows, filter=shown[0], group=shown[1])
-        body = "\x1b[K\n".join([title[:columns], *table.split("\n")])
-        out.write("\x1b[H" + body + "\x1b[K\n\x1b[J")  # home, draw over, clear what is left
+        if screen:
+            body = "\x1b[K\n".join([title[:columns], *table.split("\n")])
+            out.write("\x1b[H" + body + "\x1b[K\n\x1b[J")  # home, draw over, clear the rest
+        else:
+            out.write("\n".join([title[:columns], *table.split("\n")]) + "\n\n")
         out.flush()
         drawn_at = time.monotonic()
         changed[0] = False
@@ -178,11 +196,13 @@ def _live(
         status = what
         draw()
 
-    out.write("\x1b[H\x1b[2J")
+    if screen:
+        out.write("\x1b[H\x1b[2J")
     try:
         while stop is None or not stop.is_set():
             since = time.monotonic() - drawn_at
-            if since >= REFRESH_S or (changed[0] and since >= REDRAW_S):
+            due = since >= REFRESH_S and (screen or drawn_at < 0)  # ages tick on a screen
+            if due or (changed[0] and since >= REDRAW_S):
                 draw()
             try:
                 current[0].pump(_PUMP_S)
