@@ -5,16 +5,18 @@ each running request is cut and its client gets what was produced so far — a g
 last message with FINISH_REASON_CANCELLED and then status CANCELLED, an HTTP SSE stream (the
 official openai SDK, and raw lines) a last chunk with a finish reason and `data: [DONE]`, a
 whole HTTP answer its JSON — each a prefix of the same request's whole greedy answer; queued
-requests are refused at once (UNAVAILABLE / 503), having produced nothing; the daemon exits 0.
+requests are refused at once (UNAVAILABLE; HTTP 503, or an error event in a stream that already
+had its 200), having produced nothing; the daemon exits 0.
 
 The model is the demo model without its stop tokens: a greedy answer runs to the context's end
 (~1000 tokens). What keeps each request in flight until the signal is an event, not time: the
 gRPC client reads one message and then nothing (HTTP/2 flow control with a one-byte window stops
 the daemon's writes, and the engine pauses the request whose events are not taken); the HTTP
-requests, started together, are frozen with the daemon (SIGSTOP) as soon as its status counts
-them all running, and held by the engine thread's stall (fault injection, SIGUSR2, then SIGCONT:
-a few tokens each against their ~1000), which also keeps the two requests that come next in the
-queue; the stop ends the stall.
+requests wait in the queue behind the engine thread's stall (fault injection: SIGUSR2), start
+together when it ends (a second SIGUSR2) and take turns token by token, and the daemon is frozen
+(SIGSTOP) as the first chunk of one of them arrives; the stall asked for then (SIGUSR2, SIGCONT)
+holds them a few tokens later, each far from its ~1000, and keeps the three requests that come
+next in the queue. The stop ends the stall.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ from tests.daemon_harness import Daemon
 
 PROMPT = "import os\n"
 N = 1000  # the demo model's context is 1024: the answer runs to the end, it cannot stop early
-# four running, two queued; a client that does not read pauses its request after two events
+# four running, three queued; a client that does not read pauses its request after two events
 CONFIG = (
-    "[limits]\nmax_active = 4\nqueue_capacity = 4\nmax_pending_events = 2\ndrain_timeout_s = 0\n"
+    "[limits]\nmax_active = 4\nqueue_capacity = 3\nmax_pending_events = 2\ndrain_timeout_s = 0\n"
 )
 # a gRPC client that reads nothing more: the daemon can write it one message, then waits
 ONE_BYTE_WINDOW = [("grpc.http2.lookahead_bytes", 1), ("grpc.http2.bdp_probe", 0)]
@@ -143,13 +145,17 @@ def grpc_stream(c: Any) -> Callable[[threading.Event], Any]:
     return call
 
 
-def sdk_stream(http: Path) -> Callable[[threading.Event], Any]:
-    """The chunks of the openai SDK's completions stream."""
+def sdk_stream(
+    http: Path, first: Callable[[], None] = lambda: None
+) -> Callable[[threading.Event], Any]:
+    """The chunks of the openai SDK's completions stream; `first()` runs as the first arrives."""
     client = sdk(http)
 
     def call(running: threading.Event) -> list[Any]:
         got = []
         for chunk in client.completions.create(**BODY, stream=True, extra_body=OFF):
+            if not got:
+                first()
             got.append(chunk)
             running.set()
         return got
@@ -193,28 +199,36 @@ def test_sigterm_cuts_running_requests_with_their_tokens_and_refuses_queued_ones
         whole = c.generate(greedy())  # the reference: the same request, run to its end
         assert whole.finish_reason == "length" and len(whole.tokens) == N
 
-        # running: a gRPC stream held by its client, and, started together, an SDK stream, a
-        # raw SSE stream and a whole HTTP answer
+        # running: a gRPC stream held by its client
         held = pb_grpc.AgentStub(slow).Generate(greedy(), timeout=120)  # type: ignore[no-untyped-call]
         got = [next(held)]
-        start = threading.Barrier(3)
-        sdk_run = Background(sdk_stream(http), start)
-        raw_run = Background(raw_stream(http), start)
+        # and, queued behind a stall, then started together: an SDK stream, a raw SSE stream
+        # and a whole HTTP answer; the SDK stream's first chunk freezes the daemon
+        d.signal(signal.SIGUSR2)
+        until(lambda: d.read_log().count("stalling the engine thread") == 1, d.read_log)
+        sdk_run = Background(sdk_stream(http, lambda: d.signal(signal.SIGSTOP)))
+        raw_run = Background(raw_stream(http))
         answer_client = sdk(http)
         whole_http = Background(
-            lambda running: answer_client.completions.create(**BODY, extra_body=OFF), start
+            lambda running: answer_client.completions.create(**BODY, extra_body=OFF)
         )
-        assert sdk_run.running.wait(60) and raw_run.running.wait(60)
-        until(lambda: c.status()["active_requests"] == 4, lambda: str(c.status()))
-        # frozen at once; then the engine thread stalls: what runs stays in flight
-        d.signal(signal.SIGSTOP)
-        d.signal(signal.SIGUSR2)
+        until(
+            lambda: (st := c.status())["active_requests"] + st["queue_depth"] == 4,
+            lambda: str(c.status()),
+        )
+        d.signal(signal.SIGUSR2)  # the stall ends: they run, turn by turn
+        assert sdk_run.running.wait(60), sdk_run.error  # the daemon is frozen (SIGSTOP)
+        d.signal(signal.SIGUSR2)  # a stall again, as soon as it goes on
         d.signal(signal.SIGCONT)
-        until(lambda: log_holds(d, "stalling the engine thread"), d.read_log)
-        # two that wait in the queue meanwhile: a gRPC stream and an SDK stream
+        until(lambda: d.read_log().count("stalling the engine thread") == 2, d.read_log)
+        assert c.status()["active_requests"] == 4
+        # three that wait in the queue meanwhile: a gRPC stream, an SDK stream, a whole answer
         queued_grpc = Background(grpc_stream(c))
         queued_sdk = Background(sdk_stream(http))
-        until(lambda: c.status()["queue_depth"] == 2, lambda: str(c.status()))
+        queued_whole = Background(
+            lambda running: answer_client.completions.create(**BODY, extra_body=OFF)
+        )
+        until(lambda: c.status()["queue_depth"] == 3, lambda: str(c.status()))
 
         d.signal(signal.SIGTERM)
 
@@ -266,15 +280,24 @@ def test_sigterm_cuts_running_requests_with_their_tokens_and_refuses_queued_ones
         assert nothing == [] and refused is not None
         assert refused.code() == grpc.StatusCode.UNAVAILABLE, refused
         assert "had not started" in (refused.details() or "")
-        refused_http = queued_sdk.join().error
+        # a stream had its 200 and its headers: the refusal is its one event, an OpenAI
+        # error, which the SDK raises
+        refused_stream = queued_sdk.join().error
+        assert isinstance(refused_stream, openai.APIError), refused_stream
+        assert "had not started" in refused_stream.message
+        assert (refused_stream.body or {}).get("code") == "unavailable", refused_stream.body
+        refused_http = queued_whole.join().error
         assert isinstance(refused_http, openai.APIStatusError), refused_http
         assert refused_http.status_code == 503 and "had not started" in refused_http.message
+        assert refused_http.response.headers["retry-after"] == "1"
 
         assert d.proc.wait(60) == 0, d.read_log()
         log = d.read_log()
-        assert "stop: refused 2 waiting requests" in log
+        assert "stop: refused 3 waiting requests" in log
         assert "shutdown: drain time over, cut the rest" in log
         assert "Traceback" not in log
     finally:
         slow.close()
+        if d.proc.poll() is None:
+            d.signal(signal.SIGCONT)  # a test that failed while the daemon was frozen
         d.stop()

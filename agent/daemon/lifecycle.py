@@ -242,9 +242,16 @@ class Daemon:
             self._tick()
 
     def _inject_stall(self) -> None:
-        if self._serving.engine is not None:
+        """SIGUSR2 with fault injection on (tests): stall the engine thread, or end its stall."""
+        engine = self._serving.engine
+        if engine is None:
+            return
+        if engine.stalled:
+            log.warning("fault injection: the engine thread's stall ends")
+            engine.end_stall()
+        else:
             log.warning("fault injection: stalling the engine thread")
-            self._serving.engine.inject_stall(3600.0)
+            engine.inject_stall(3600.0)
 
     async def _main_loop(self, server: Server) -> None:
         tick = self.config.watchdog.tick_s

@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 
-FAULT_ENV = "EDGE_AGENT_FAULT_INJECTION"  # "1": SIGUSR2 stalls the engine thread (tests only)
+# "1": SIGUSR2 stalls the engine thread, a second one ends the stall (tests only)
+FAULT_ENV = "EDGE_AGENT_FAULT_INJECTION"
 
 
 class Requests:

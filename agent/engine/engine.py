@@ -122,6 +122,7 @@ class Engine(SessionCalls):
         self._closed = False
         self._stall = 0.0
         self._unstall = threading.Event()  # a stop ends an injected stall
+        self._in_stall = False
         self._beat = time.monotonic()
         self._tally = Tally()
         self._acceptance = Acceptance()  # what speculation saw so far: a new request's prior
@@ -228,11 +229,24 @@ class Engine(SessionCalls):
         return time.monotonic() - self._beat
 
     def inject_stall(self, seconds: float) -> None:
-        """Fault injection for tests: the engine thread sleeps for `seconds` at its next turn
-        (or until a stop's drain time is over: the stop then ends what the stall held)."""
+        """Fault injection for tests: the engine thread sleeps for `seconds` at its next turn,
+        or until `end_stall`, or until a stop's drain time is over (the stop then ends what
+        the stall held)."""
         with self._cv:
+            if self._stopping:
+                return
+            self._unstall.clear()
             self._stall = seconds
             self._cv.notify()
+
+    def end_stall(self) -> None:
+        """Fault injection for tests: end an injected stall; the thread goes on at once."""
+        self._unstall.set()
+
+    @property
+    def stalled(self) -> bool:
+        """An injected stall is asked for or under way."""
+        return self._stall > 0 or self._in_stall
 
     def stop(self, drain_timeout: float = 30.0, *, refuse_waiting: bool = False) -> bool:
         """Refuse new requests, let running ones finish (up to the timeout), then cut what is
@@ -390,7 +404,9 @@ class Engine(SessionCalls):
             if p is not None:
                 self._step(p)
             else:
+                self._in_stall = True
                 self._unstall.wait(stall)  # a real stall: nothing on this thread runs meanwhile
+                self._in_stall = False
 
     def _step(self, p: Prepared) -> None:
         """One unit of `p`'s work; a request running alone goes on decoding until an event

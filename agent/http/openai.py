@@ -251,28 +251,8 @@ class Api:
         model = engine.info.name
         created = int(time.time())
         if parsed.stream:
-            # the status waits for the first event: a request that the stopping agent refused
-            # before it started is a 503, not a 200 stream that holds an error
-            try:
-                first = await _wait_or_gone(request, events)
-            except BaseException:
-                handle.cancel()  # this task was cancelled: nobody will read the request
-                raise
-            if first is None:  # the client went away
-                handle.cancel()
-                log.info("http %s: client disconnected; cancelled", handle.id)
-                return Response(status_code=499)
-            if handle.refused is not None:
-                raise handle.refused
             stream = self._stream(
-                handle,
-                events,
-                model,
-                created,
-                chat,
-                parsed.include_usage,
-                parsed.tool_parse,
-                first,
+                handle, events, model, created, chat, parsed.include_usage, parsed.tool_parse
             )
             return StreamingResponse(
                 stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
@@ -322,7 +302,6 @@ class Api:
         chat: bool,
         include_usage: bool,
         tool_parse: str = "",
-        first: tuple[TokenEvent, int] | None = None,
     ) -> AsyncIterator[bytes]:
         rid = handle.id
         held: list[str] = []  # a chat with tools: its answer, parsed whole for its calls
@@ -332,9 +311,11 @@ class Api:
                     convert.chat_chunk(rid, created, model, {"role": "assistant", "content": ""})
                 )
             while True:
-                event, count = first if first is not None else await events.take()
-                first = None
+                event, count = await events.take()
                 handle.consumed(count)
+                if handle.refused is not None:  # the agent stopped before it started
+                    yield _sse(error_body(str(handle.refused), "server_error", None, "unavailable"))
+                    return
                 end = _finish_reason(event)
                 note = _cut_note(event)
                 if end is not None and end not in convert.FINISH:
