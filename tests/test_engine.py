@@ -104,7 +104,7 @@ def test_closing_a_stream_frees_the_engine(engine: Engine) -> None:
     next(stream)
     stream.close()
     assert engine.complete(req(max_tokens=2)).finish_reason == "length"
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a limit: the slot frees as the stream's end is seen
     while engine.stats().active and time.monotonic() < deadline:
         time.sleep(0.01)
     assert engine.stats().active == 0
@@ -288,7 +288,7 @@ def test_session_busy_and_context_overflow(engine: Engine) -> None:
         engine.submit(req(session_id=sid), lambda e: None)
     held.cancel()
     assert held.done.wait(10)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
             engine.complete(req(prompt="x", max_tokens=1, session_id=sid))

@@ -78,18 +78,25 @@ def test_concurrent_requests_take_turns_token_by_token(engine_factory) -> None:
     order: list[str] = []
     lock = threading.Lock()
     handles = []
+    a_runs, all_in = threading.Event(), threading.Event()
+
     for name in "abc":
 
         def sink(event, name=name) -> None:
             with lock:
                 order.append(name.upper() if event.finish_reason else name)
+            if name == "a":  # a's first event holds the engine thread until b and c are in
+                a_runs.set()
+                assert all_in.wait(60)
 
         handles.append(engine.submit(_req(n=30, seed=ord(name)), sink))
+        if name == "a":
+            assert a_runs.wait(60)
+    all_in.set()
     for h in handles:
         assert h.done.wait(60)
     # while all three run (from the last one's first token up to the first finish), every 3
-    # consecutive turns are 3 requests; the first may run alone for a few turns before the
-    # others are submitted (a busy 2-core CI machine showed 3)
+    # consecutive turns are 3 requests
     first_done = min(i for i, n in enumerate(order) if n.isupper())
     window = order[max(order.index(n) for n in "abc") : first_done]
     assert len(window) >= 6, order
@@ -114,10 +121,18 @@ def test_long_prompt_prefill_interleaves_with_decode(engine_factory, tiny_model_
 
         return sink
 
-    a = engine.submit(_req(n=60), sink_for("a"))
-    while not events:
-        time.sleep(0.001)
+    a_runs, b_in = threading.Event(), threading.Event()
+    sink_a = sink_for("a")
+
+    def first_a_waits_for_b(event) -> None:  # a's first event holds the engine thread
+        sink_a(event)
+        a_runs.set()
+        assert b_in.wait(60)
+
+    a = engine.submit(_req(n=60), first_a_waits_for_b)
+    assert a_runs.wait(60)  # a decodes: b arrives with a's 59 other tokens still to come
     b = engine.submit(_req(long_prompt, n=2), sink_for("b"))
+    b_in.set()
     assert a.done.wait(60) and b.done.wait(60)
     names = [n for n, _ in events]
     first_b = names.index("b")
@@ -131,9 +146,10 @@ def test_queue_full_is_refused_and_counted(engine_factory) -> None:
     held = []
     # a consumer that never reads: the running request pauses after 2 events, keeps its slot
     held.append(engine.submit(_req(n=100), lambda e: None))
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while engine.stats().active < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert engine.stats().active == 1
     held.append(engine.submit(_req(n=5), lambda e: None))  # waits in the queue
     with pytest.raises(Overloaded, match="queue is full"):
         engine.submit(_req(n=5), lambda e: None)
@@ -185,7 +201,7 @@ def test_kv_pool_grows_as_the_profile_says(engine_factory, strategy, preallocate
     )
     assert engine.kv_pool_size() == (12 if preallocate else 0)
     held = [engine.submit(_req(n=100, seed=i), lambda e: None) for i in range(3)]
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while engine.stats().active < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert engine.kv_pool_size() == expected

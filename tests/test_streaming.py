@@ -4,7 +4,6 @@ tiny model, batched against an event per token."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -77,6 +76,38 @@ def test_an_end_with_nothing_held_and_one_token_per_event_pass_through_as_they_a
     end = TokenEvent("", finish_reason="cancelled", error="deadline exceeded")
     h.emit(end)
     assert got[-1] is end
+
+
+# ----------------------------------------------------------------------------- the RPC's pipe
+
+
+def test_the_stream_pipe_waits_for_its_interval_only_while_few_events_wait() -> None:
+    """agent.rpc.stream.EventPipe with an interval of an hour: the first event, `flush_at`
+    waiting events and the last event go out at once (a pipe that waited for the interval
+    would hang here until the 60 s limit); fewer wait for the interval."""
+    import asyncio
+
+    from agent.rpc.stream import EventPipe
+
+    def ev(i: int, end: str | None = None) -> TokenEvent:
+        return TokenEvent(str(i), (i,), finish_reason=end)
+
+    async def main() -> None:
+        pipe = EventPipe(asyncio.get_running_loop(), interval_s=3600.0, flush_at=4)
+        pipe.put(ev(1))
+        pipe.put(ev(2))  # the first message is the first event alone
+        assert await asyncio.wait_for(pipe.take(), 60) == [ev(1)]
+        pipe.put(ev(3))
+        pipe.put(ev(4))  # 3 waiting: they wait for the interval
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(pipe.take(), 0.05)
+        pipe.put(ev(5))  # the 4th waiting: out at once
+        assert await asyncio.wait_for(pipe.take(), 60) == [ev(2), ev(3), ev(4), ev(5)]
+        pipe.put(ev(6))
+        pipe.put(ev(7, "length"))  # the end: at once, with what waited
+        assert await asyncio.wait_for(pipe.take(), 60) == [ev(6), ev(7, "length")]
+
+    asyncio.run(main())
 
 
 # ----------------------------------------------------------------------------- real engine
@@ -189,23 +220,36 @@ def test_a_stop_string_across_a_batch_boundary_ends_as_without_batches(engines) 
 
 def test_a_request_submitted_while_another_decodes_alone_starts_at_once(engines) -> None:
     """The loop decodes a lone request until an event goes out, then looks for others: a
-    request submitted meanwhile does not wait for the first one's end (whose consumer takes
-    5 ms per event here, so its ~25 events take over 100 ms)."""
+    request submitted meanwhile does not wait for the first one's end. The long request's
+    consumer holds the engine thread at its first event until the short one is in, so the
+    short one always arrives with 19 or more of the long one's tokens still to come; then
+    the round-robin ends the 3-token one first (a loop that ran the long one to its end would
+    not)."""
     _, batched = engines
     ends: list[str] = []
-    started = threading.Event()
+    started, submitted = threading.Event(), threading.Event()
 
-    def slow(event: TokenEvent) -> None:
-        started.set()
-        time.sleep(0.005)
+    def hold_first(event: TokenEvent) -> None:  # on the engine thread
+        if not started.is_set():
+            started.set()
+            assert submitted.wait(60)
         if event.finish_reason:
             ends.append("long")
 
-    long = batched.submit(req(max_tokens=100), slow)
+    long = batched.submit(long_request(batched, SamplingParams(0.0), max_tokens=100), hold_first)
     long.consumed(1 << 30)
-    assert started.wait(30)
-    short = batched.complete(req(max_tokens=3))
-    ends.append("short")
-    assert short.finish_reason == "length"
-    assert long.done.wait(30)
+    assert started.wait(60)
+    got: list[TokenEvent] = []
+
+    def short_sink(event: TokenEvent) -> None:  # on the engine thread too: ends in order
+        got.append(event)
+        if event.finish_reason:
+            ends.append("short")
+
+    short = batched.submit(req(max_tokens=3), short_sink)
+    short.consumed(1 << 30)
+    submitted.set()
+    assert short.done.wait(60)
+    assert got[-1].finish_reason == "length"
+    assert long.done.wait(60)
     assert ends == ["short", "long"]
