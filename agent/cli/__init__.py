@@ -59,7 +59,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_keys_parser(sub)
     add_update_parser(sub)
     register_cli(sub)
+    p = sub.add_parser("completion", help="print a shell completion script (bash, zsh)")
+    p.add_argument("shell", choices=("bash", "zsh"))
+    p.set_defaults(func=lambda args: _completion(parser, args.shell))
+    from agent.cli.examples import attach
+
+    attach(parser)
     return parser
+
+
+def _completion(parser: argparse.ArgumentParser, shell: str) -> int:
+    """A static completion script (shtab): a TAB costs the shell nothing, never a Python start
+    (a second or more on a board)."""
+    import shtab
+
+    print(shtab.complete(parser, shell=shell))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None, *, entry: bool = False) -> int:

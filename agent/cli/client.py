@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from agent import exitcodes
+from agent.cli.client_text import socket_of, summary, text_arg
 from agent.cli.common import _sampling_args, penalty_fields
 
 if TYPE_CHECKING:
@@ -26,11 +27,19 @@ def _client(args: argparse.Namespace, owned: bool = False):  # type: ignore[no-u
     from agent.rpc.identity import resolve_key
 
     key = resolve_key(args.client_key) if owned or args.client_key is not None else None
-    return Client(args.socket, timeout=args.timeout, client_key=key)
+    return Client(socket_of(args), timeout=args.timeout, client_key=key)
 
 
-def _generate_via_socket(args: argparse.Namespace, chat: list[tuple[str, str]] | None) -> int:
-    """One generation through the daemon; the exit code says how it ended (agent.exitcodes).
+def _generate_via_socket(
+    args: argparse.Namespace, chat: list[tuple[str, str]] | None, prompt: str | None = None
+) -> int:
+    return generate(args, chat, prompt)[0]
+
+
+def generate(
+    args: argparse.Namespace, chat: list[tuple[str, str]] | None, prompt: str | None = None
+) -> tuple[int, str]:
+    """One generation through the daemon: (the exit code that says how it ended, the text).
 
     Whatever arrived is printed however the stream ends: streamed text then a summary line
     on stderr, or (--json) the object with an `error` line when it did not end by stop/length.
@@ -41,7 +50,7 @@ def _generate_via_socket(args: argparse.Namespace, chat: list[tuple[str, str]] |
 
     client = _client(args, owned=args.session is not None)
     request = build_request(
-        getattr(args, "prompt", None),
+        prompt,
         chat,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -78,7 +87,7 @@ def _generate_via_socket(args: argparse.Namespace, chat: list[tuple[str, str]] |
         rc, error = exitcodes.FAILED, f"the request failed: {reply.error or reply.finish_reason}"
     if got.last is None and rc != exitcodes.INTERRUPTED and error is not None:
         print(f"edge-agent: {error}", file=sys.stderr)  # refused before any output
-        return rc
+        return rc, ""
     if args.json:
         print(reply_json(reply, error))
     else:
@@ -93,11 +102,11 @@ def _generate_via_socket(args: argparse.Namespace, chat: list[tuple[str, str]] |
         print(f"[{len(reply.tokens)} tokens, {reply.finish_reason}{speed}]", file=sys.stderr)
     if error is not None:
         print(f"edge-agent: {error}", file=sys.stderr)
-    return rc
+    return rc, reply.text
 
 
 def cmd_client_generate(args: argparse.Namespace) -> int:
-    return _generate_via_socket(args, None)
+    return _generate_via_socket(args, None, text_arg(args.prompt))
 
 
 def cmd_client_chat(args: argparse.Namespace) -> int:
@@ -111,7 +120,11 @@ def cmd_client_chat(args: argparse.Namespace) -> int:
         if not sep or role not in ("user", "assistant"):
             raise InvalidRequest(f"--turn {turn!r}: expected user:TEXT or assistant:TEXT")
         chat.append((role, text))
-    chat.append(("user", args.message))
+    if args.message is None:
+        from agent.cli.client_chat import interactive
+
+        return interactive(args, chat, generate)
+    chat.append(("user", text_arg(args.message)))
     return _generate_via_socket(args, chat)
 
 
@@ -129,8 +142,10 @@ def _client_unary(args: argparse.Namespace, call: str) -> int:
         return failure.exit_code
     finally:
         client.close()
-    if args.json or isinstance(result, dict):
+    if args.json:
         print(json.dumps(result if isinstance(result, dict) else {"status": result}, indent=2))
+    elif isinstance(result, dict):
+        print(summary(result))
     else:
         print(result)
     if call == "health" and result != "SERVING":
@@ -207,8 +222,11 @@ def cmd_client_session(args: argparse.Namespace) -> int:
 
 def _client_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--socket", help="socket path or HOST:PORT (default: /run/edge-agent/agent.sock)"
+        "--socket",
+        help="socket path or HOST:PORT (default: $EDGE_AGENT_SOCKET, else [server] socket of "
+        "--config or of /etc/edge-agent/agent.toml, else /run/edge-agent/agent.sock)",
     )
+    p.add_argument("--config", help="the daemon's config file, for its [server] socket")
     p.add_argument("--timeout", type=float, help="deadline in seconds")
     p.add_argument(
         "--client-key",
@@ -223,13 +241,20 @@ def add_client_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     csub = client.add_subparsers(dest="client_command", required=True)
 
     p = csub.add_parser("generate", help="stream a completion through the daemon")
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the prompt; - reads it from stdin")
     p.add_argument("--session", help="continue this session")
     _client_common(p)
     _sampling_args(p)
     p.set_defaults(func=cmd_client_generate)
-    p = csub.add_parser("chat", help="one chat turn through the daemon")
-    p.add_argument("message")
+    p = csub.add_parser(
+        "chat", help="a chat turn through the daemon; without MESSAGE, an interactive chat"
+    )
+    p.add_argument(
+        "message",
+        nargs="?",
+        help="the user's message; - reads it from stdin; none: chat interactively (Ctrl-D "
+        'leaves, """ starts and ends a message of several lines)',
+    )
     p.add_argument("--system", help="system message")
     p.add_argument(
         "--turn",

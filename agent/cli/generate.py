@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 from agent import exitcodes
+from agent.cli.client_text import text_arg
 from agent.cli.common import (
     _profile_arg,
     _profile_name,
@@ -46,7 +47,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         **penalty_fields(args),
     )
     request = GenerateRequest(
-        prompt=args.prompt,
+        prompt=text_arg(args.prompt),
         max_tokens=args.max_tokens,
         sampling=sampling,
         stop=tuple(args.stop),
@@ -124,7 +125,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def add_generate_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``generate`` to the CLI's subparsers (sets `func`)."""
     p = subparsers.add_parser("generate", help="stream a completion from the model")
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the prompt; - reads it from stdin")
     _profile_arg(p)
     p.add_argument("--root", default="/", help=argparse.SUPPRESS)
     p.add_argument(
