@@ -146,9 +146,10 @@ class Generation:
         draft, the policy declined, or no verify signature fits here).
 
         Each row is sampled in order with the request's own sampler, exactly as plain decoding
-        samples that position (same RNG draws, the grammar advancing on each emitted token);
-        a draft holds while it equals the sampled token, and the first that does not ends the
-        block with the sampled token. Stops, max_tokens and the context end are checked after
+        samples that position (same RNG draws, the grammar and the penalties' counts advancing
+        on each emitted token: row i sees the drafts accepted before it); a draft holds while
+        it equals the sampled token, and the first that does not ends the block with the
+        sampled token. Stops, max_tokens and the context end are checked after
         every token as plain decoding checks them: nothing after them is emitted, and the next
         row to write is the position after the last emitted token (rows past it are junk the
         next call overwrites). Non-finite logits in a later row end the block before it, so
