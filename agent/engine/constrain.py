@@ -361,12 +361,12 @@ class ConstraintCompiler:
 
     def _build(self, constraint: Constraint) -> tuple[CompiledConstraint, int]:
         """On the worker: check, compile, take the first mask; the entry's measured size."""
-        before = rss_bytes()
         llg = _llguidance()
-        grammar = grammar_text(llg, constraint)
-        with self._lock:
+        with self._lock:  # the token table, built once, is not the entry's
             lltok = self._ll_tokenizer(llg)
             tokens = self._tokens
+        before = rss_bytes()
+        grammar = grammar_text(llg, constraint)
         assert tokens is not None
         limits = llg.LLParserLimits(**PARSER_LIMITS)
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
