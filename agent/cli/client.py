@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from agent import exitcodes
-from agent.cli.client_text import socket_of, summary, text_arg
+from agent.cli.client_text import ago, socket_of, summary, text_arg
 from agent.cli.common import _sampling_args, penalty_fields
 
 if TYPE_CHECKING:
@@ -153,16 +153,6 @@ def _client_unary(args: argparse.Namespace, call: str) -> int:
     return exitcodes.OK
 
 
-def _ago(seconds: float) -> str:
-    if seconds < 120:
-        return f"{max(0, round(seconds))} s ago"
-    if seconds < 7200:
-        return f"{round(seconds / 60)} min ago"
-    if seconds < 172800:
-        return f"{round(seconds / 3600)} h ago"
-    return f"{round(seconds / 86400)} d ago"
-
-
 def session_table(sessions: Sequence[SessionEntry], now: float) -> str:
     """`session list` for people: id, tier, tokens, KiB, last use."""
     rows = [("ID", "TIER", "TOKENS", "KiB", "LAST USE")]
@@ -172,7 +162,7 @@ def session_table(sessions: Sequence[SessionEntry], now: float) -> str:
             s.tier,
             str(s.tokens),
             f"{s.kv_bytes / 1024:.0f}",
-            _ago(now - s.last_used_unix),
+            ago(now - s.last_used_unix),
         )
         for s in sessions
     ]

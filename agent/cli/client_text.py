@@ -70,9 +70,8 @@ def _value(key: str, value: Any, now: float) -> str:
     if key.endswith("_unix"):
         if value <= 0:
             return "never"
-        ago = now - value
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value))
-        return f"{stamp} ({_duration(ago)} ago)" if ago >= 0 else stamp
+        return f"{stamp} ({ago(now - value)})" if now >= value else stamp
     if key.endswith("_bytes"):
         return f"{value / (1 << 20):,.1f} MiB" if value >= 1 << 20 else f"{value:,} B"
     if key.endswith("_s"):
@@ -82,6 +81,17 @@ def _value(key: str, value: Any, now: float) -> str:
     if isinstance(value, float):
         return f"{value:,.3g}" if abs(value) < 1000 else f"{value:,.0f}"
     return f"{value:,}"
+
+
+def ago(seconds: float) -> str:
+    """How long ago, in whole units: ``12 s ago``, ``5 min ago``, ``3 h ago``, ``2 d ago``."""
+    if seconds < 120:
+        return f"{max(0, round(seconds))} s ago"
+    if seconds < 7200:
+        return f"{round(seconds / 60)} min ago"
+    if seconds < 172800:
+        return f"{round(seconds / 3600)} h ago"
+    return f"{round(seconds / 86400)} d ago"
 
 
 def _duration(seconds: float) -> str:
