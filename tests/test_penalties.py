@@ -612,3 +612,37 @@ def test_cli_generate_takes_the_flags(verify_dir: Path, tmp_path: Path) -> None:
     bad = generate("--presence-penalty", "7")
     assert bad.returncode != 0 and "presence_penalty = 7.0 is out of range [-2, 2]" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_the_python_client_sends_them(tmp_path: Path) -> None:
+    """`edge_agent_client`'s generate options become the same `Sampling` fields (checked in a
+    Python that imports only the client, as its own distribution test runs it)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from agent._protogen import PROTO_DIR, generate
+
+    repo = Path(__file__).resolve().parent.parent
+    shutil.copytree(repo / "client" / "edge_agent_client", tmp_path / "edge_agent_client")
+    generate(PROTO_DIR, tmp_path, "edge_agent_client.pb")
+    code = (
+        "from edge_agent_client import _wire\n"
+        "r = _wire.generate_request('x', max_tokens=None, temperature=None, top_p=None,"
+        " top_k=None, seed=None, stop=(), session_id=None, json_schema=None,"
+        " json_object=False, regex=None, grammar=None, logit_bias={5: -100.0},"
+        " presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.5,"
+        " repeat_last_n=-1)\n"
+        "s = r.sampling\n"
+        "print(dict(s.logit_bias), s.presence_penalty, s.frequency_penalty,"
+        " s.repetition_penalty, s.repeat_last_n)\n"
+        "import inspect, edge_agent_client as c\n"
+        "for cls in (c.Client, c.AsyncClient):\n"
+        "    assert 'repeat_last_n' in inspect.signature(cls.generate).parameters, cls\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd=tmp_path,
+        env={"PYTHONPATH": f"{tmp_path}:{Path(grpc.__file__).parent.parent}"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["{5:", "-100.0}", "0.5", "-1.0", "1.5", "-1"]

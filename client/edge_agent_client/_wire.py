@@ -110,6 +110,11 @@ def generate_request(
     regex: str | None,
     grammar: str | None,
     speculation: str | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    repeat_last_n: int | None = None,
 ) -> pb.GenerateRequest:
     """The GenerateRequest for a prompt (a string) or chat messages (a sequence)."""
     if isinstance(stop, str):
@@ -134,6 +139,16 @@ def generate_request(
         sampling.top_k = top_k
     if seed is not None:
         sampling.seed = seed
+    for token, bias in (logit_bias or {}).items():
+        sampling.logit_bias[token] = bias
+    if presence_penalty is not None:
+        sampling.presence_penalty = presence_penalty
+    if frequency_penalty is not None:
+        sampling.frequency_penalty = frequency_penalty
+    if repetition_penalty is not None:
+        sampling.repetition_penalty = repetition_penalty
+    if repeat_last_n is not None:
+        sampling.repeat_last_n = repeat_last_n
     kinds = [json_schema is not None, json_object, regex is not None, grammar is not None]
     if sum(kinds) > 1:
         raise ValueError("at most one of json_schema, json_object, regex and grammar")

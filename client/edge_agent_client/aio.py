@@ -141,6 +141,11 @@ class AsyncClient:
         json_object: bool = False,
         regex: str | None = None,
         grammar: str | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        repetition_penalty: float | None = None,
+        repeat_last_n: int | None = None,
     ) -> AsyncGeneration:
         """As `Client.generate`; iterate the result with ``async for``."""
         request = _wire.generate_request(
@@ -156,6 +161,11 @@ class AsyncClient:
             json_object=json_object,
             regex=regex,
             grammar=grammar,
+            logit_bias=logit_bias,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            repeat_last_n=repeat_last_n,
         )
         call = self._generate(request, timeout=self.generate_timeout, metadata=self._metadata)
         return AsyncGeneration(call)

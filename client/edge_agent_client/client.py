@@ -145,12 +145,20 @@ class Client:
         json_object: bool = False,
         regex: str | None = None,
         grammar: str | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        repetition_penalty: float | None = None,
+        repeat_last_n: int | None = None,
         speculation: str | None = None,
     ) -> Generation:
         """Start generating from a prompt (a string) or chat messages (`Message`s, dicts or
         (role, content) pairs). Unset sampling fields take the profile's defaults; at most one
         of json_schema / json_object / regex / grammar constrains the output. `speculation`:
-        "off" or "ngram" (the output is the same either way); None: the profile's."""
+        "off" or "ngram" (the output is the same either way); None: the profile's.
+        `logit_bias` (token id → bias in [-100, 100]), `presence_penalty`, `frequency_penalty`,
+        `repetition_penalty`, `repeat_last_n`: the daemon's docs/API.md "Logit bias and
+        penalties"; unset, they are off."""
         request = _wire.generate_request(
             prompt,
             max_tokens=max_tokens,
@@ -164,6 +172,11 @@ class Client:
             json_object=json_object,
             regex=regex,
             grammar=grammar,
+            logit_bias=logit_bias,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            repeat_last_n=repeat_last_n,
             speculation=speculation,
         )
         call = self._generate(request, timeout=self.generate_timeout, metadata=self._metadata)
