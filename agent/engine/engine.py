@@ -31,14 +31,15 @@ from agent.engine.intake import Intake
 from agent.engine.kvpool import KVPool
 from agent.engine.loading import load_model
 from agent.engine.quotas import ClientQuotas
-from agent.engine.request import Prepared, RequestHandle, Sink
+from agent.engine.request import Prepared, RequestHandle, Sink, unstarted_stats
 from agent.engine.sampler import Sampler
 from agent.engine.scheduler import Scheduler
 from agent.engine.sessioncalls import SessionCalls
 from agent.engine.sessions import SessionStore, open_disk_tier
 from agent.engine.speculation import Acceptance, speculator_for
 from agent.engine.stats import EngineStats, Tally
-from agent.engine.types import Completion, GenerateRequest, RequestStats, TokenEvent
+from agent.engine.stopping import STOPPING_CUT, Stopping
+from agent.engine.types import Completion, GenerateRequest, TokenEvent
 from agent.engine.types import EngineLimits as EngineLimits  # where callers import it from
 from agent.errors import AgentError, NonFiniteLogits, Overloaded, SessionLost, Unavailable
 from agent.kv.prefix import PrefixCache
@@ -47,11 +48,9 @@ from agent.profile import DeviceProfile
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5  # the idle engine thread still beats this often
-STOPPING_REFUSED = "the agent is stopping; the request had not started: send it again later"
-STOPPING_CUT = "the agent is stopping; the request was cut at the drain deadline"
 
 
-class Engine(SessionCalls):
+class Engine(SessionCalls, Stopping):
     """Load a model directory under a profile; run requests on one engine thread."""
 
     def __init__(
@@ -117,12 +116,9 @@ class Engine(SessionCalls):
         )
         self._ids = itertools.count(1)
         self._stopping = False
-        self._drain_until = float("inf")  # monotonic: a stop cuts what still runs then
-        self._cut = False  # the stop's drain time is over: a cancelled request was cut
         self._closed = False
         self._stall = 0.0
-        self._unstall = threading.Event()  # a stop ends an injected stall
-        self._in_stall = False
+        self._init_stopping()
         self._beat = time.monotonic()
         self._tally = Tally()
         self._acceptance = Acceptance()  # what speculation saw so far: a new request's prior
@@ -228,94 +224,6 @@ class Engine(SessionCalls):
         """Seconds since the engine thread last went round its loop (a wedge shows here)."""
         return time.monotonic() - self._beat
 
-    def inject_stall(self, seconds: float) -> None:
-        """Fault injection for tests: the engine thread sleeps for `seconds` at its next turn,
-        or until `end_stall`, or until a stop's drain time is over (the stop then ends what
-        the stall held)."""
-        with self._cv:
-            if self._stopping:
-                return
-            self._unstall.clear()
-            self._stall = seconds
-            self._cv.notify()
-
-    def end_stall(self) -> None:
-        """Fault injection for tests: end an injected stall; the thread goes on at once."""
-        self._unstall.set()
-
-    @property
-    def stalled(self) -> bool:
-        """An injected stall is asked for or under way."""
-        return self._stall > 0 or self._in_stall
-
-    def stop(self, drain_timeout: float = 30.0, *, refuse_waiting: bool = False) -> bool:
-        """Refuse new requests, let running ones finish (up to the timeout), then cut what is
-        left and stop the thread. Returns True if everything drained.
-
-        A cut request ends with a final "cancelled" event that carries the tokens it had not
-        sent yet (its consumer gets it before the thread stops; nothing is dropped). Waiting
-        requests run too (a model switch: nothing is refused), or, with `refuse_waiting` (the
-        daemon stopping), end at once unstarted, with `handle.refused` saying why.
-        """
-        with self._cv:
-            self._stopping = True
-            self._drain_until = min(self._drain_until, time.monotonic() + drain_timeout)
-            if refuse_waiting:
-                self._refuse_waiting()
-            self._cv.notify()
-        while True:
-            with self._cv:
-                if not self._sched.busy or time.monotonic() >= self._drain_until:
-                    break
-            time.sleep(0.01)
-        with self._cv:
-            drained = not self._sched.busy
-            if not drained:
-                log.info(
-                    "stop: drain time over; cutting %d running and %d waiting requests",
-                    len(self._sched.running),
-                    len(self._sched.waiting),
-                )
-            self._cut = True
-            for p in [*self._sched.waiting, *self._sched.running]:
-                p.handle.cancel()
-            self._unstall.set()
-            self._cv.notify()
-        # the thread ends each cut request with its final event, then returns by itself
-        self._thread.join(timeout=5.0)
-        with self._cv:
-            self._closed = True  # a thread still inside a step (a wedged runtime) exits after it
-            self._cv.notify()
-            self._store.persist_all()
-        return drained
-
-    def hurry(self, drain_timeout: float) -> None:
-        """Bring a `stop` already under way (an old engine draining after a reload) forward:
-        waiting requests are refused now and running ones cut within `drain_timeout`."""
-        with self._cv:
-            self._drain_until = min(self._drain_until, time.monotonic() + drain_timeout)
-            if self._stopping:
-                self._refuse_waiting()
-            self._cv.notify()
-
-    def _refuse_waiting(self) -> None:
-        """End every waiting request unstarted (under the lock; the engine thread never saw
-        them): the caller gets `Unavailable`, as a request that came a moment later would."""
-        refused = self._sched.drop_waiting(lambda p: False)
-        for p in refused:
-            self._tally.totals["cancelled"] += 1
-            if p.session is not None:
-                p.session.busy = False
-                self._store.unstage(p.session)
-            p.handle.refused = Unavailable(STOPPING_REFUSED)
-            p.handle.emit(
-                TokenEvent(
-                    "", finish_reason="cancelled", stats=_empty_stats(p), error=STOPPING_REFUSED
-                )
-            )
-        if refused:
-            log.info("stop: refused %d waiting requests", len(refused))
-
     def close(self) -> None:
         if not self._closed:
             self.stop(drain_timeout=0.0)
@@ -334,7 +242,7 @@ class Engine(SessionCalls):
             if p.session is not None:
                 p.session.busy = False
                 self._store.unstage(p.session)
-            p.handle.emit(TokenEvent("", finish_reason="cancelled", stats=_empty_stats(p)))
+            p.handle.emit(TokenEvent("", finish_reason="cancelled", stats=unstarted_stats(p)))
         for p in self._sched.admit():
             try:
                 start = bind(p, self._store, self._prefix, self.loaded.runner)
@@ -379,7 +287,7 @@ class Engine(SessionCalls):
         elif p.kv is not None:
             self._store.give_kv(p.kv)
         self._tally.totals["failed"] += 1
-        p.handle.emit(TokenEvent("", finish_reason="error", stats=_empty_stats(p), error=error))
+        p.handle.emit(TokenEvent("", finish_reason="error", stats=unstarted_stats(p), error=error))
 
     @staticmethod
     def _ready(p: Prepared) -> bool:
@@ -486,10 +394,6 @@ class Engine(SessionCalls):
                 stats.decode_tok_s,
                 extra={"request_id": p.handle.id, "model": self.info.name},
             )
-
-
-def _empty_stats(p: Prepared) -> RequestStats:
-    return RequestStats(len(p.ids), 0, 0.0, 0.0, 0.0, 0.0, 0.0, "")
 
 
 def _history(p: Prepared) -> list[int]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from agent.engine.generation import Generation
 from agent.engine.sampler import SamplingParams
 from agent.engine.session import Session
-from agent.engine.types import TokenEvent
+from agent.engine.types import RequestStats, TokenEvent
 from agent.errors import AgentError
 from agent.runtime.runner import KVCache
 
@@ -133,3 +133,8 @@ class Prepared:
     def client(self) -> str:
         """Whose request it is, for the scheduler's fairness between clients."""
         return self.owner
+
+
+def unstarted_stats(p: Prepared) -> RequestStats:
+    """The stats of a request that ended before it ran (refused, cancelled in the queue)."""
+    return RequestStats(len(p.ids), 0, 0.0, 0.0, 0.0, 0.0, 0.0, "")

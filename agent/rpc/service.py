@@ -19,7 +19,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from agent.config import AgentConfig
-from agent.engine.engine import STOPPING_CUT, Engine
+from agent.engine.engine import Engine
+from agent.engine.stopping import STOPPING_CUT
 from agent.engine.types import TokenEvent
 from agent.errors import ERROR_TRAILER, AgentError, InvalidRequest, Overloaded, grpc_status_name
 from agent.metrics import Metrics

@@ -1,0 +1,135 @@
+"""The engine's stop path and its fault-injected stall, mixed into `Engine`.
+
+A stop refuses new requests; waiting ones run too (a model switch: nothing is dropped) or,
+when the daemon stops, are refused at once (`handle.refused`); running ones may finish within
+the drain time and are then cut: each ends with a final "cancelled" event that carries the
+tokens it had not sent yet, stepped by the engine thread before it exits, so every consumer
+gets its end (docs/API.md "Stopping, restarting, reloading").
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from agent.engine.request import Prepared, unstarted_stats
+from agent.engine.scheduler import Scheduler
+from agent.engine.sessions import SessionStore
+from agent.engine.stats import Tally
+from agent.engine.types import TokenEvent
+from agent.errors import Unavailable
+
+log = logging.getLogger("agent.engine.engine")  # the engine's lines keep one logger name
+
+STOPPING_REFUSED = "the agent is stopping; the request had not started: send it again later"
+STOPPING_CUT = "the agent is stopping; the request was cut at the drain deadline"
+
+
+class Stopping:
+    """Mixed into `Engine`, which sets the attributes below and calls `_init_stopping`; its
+    thread ends a cut request's final event with `STOPPING_CUT` when `_cut` is set and waits
+    on `_unstall` while stalled."""
+
+    _cv: threading.Condition
+    _sched: Scheduler[Prepared]
+    _store: SessionStore
+    _tally: Tally
+    _thread: threading.Thread
+    _stopping: bool
+    _closed: bool
+    _stall: float
+
+    def _init_stopping(self) -> None:
+        self._drain_until = float("inf")  # monotonic: a stop cuts what still runs then
+        self._cut = False  # the stop's drain time is over: a cancelled request was cut
+        self._unstall = threading.Event()  # ends an injected stall (a stop, `end_stall`)
+        self._in_stall = False
+
+    def inject_stall(self, seconds: float) -> None:
+        """Fault injection for tests: the engine thread sleeps for `seconds` at its next turn,
+        or until `end_stall`, or until a stop's drain time is over (the stop then ends what
+        the stall held)."""
+        with self._cv:
+            if self._stopping:
+                return
+            self._unstall.clear()
+            self._stall = seconds
+            self._cv.notify()
+
+    def end_stall(self) -> None:
+        """Fault injection for tests: end an injected stall; the thread goes on at once."""
+        self._unstall.set()
+
+    @property
+    def stalled(self) -> bool:
+        """An injected stall is asked for or under way."""
+        return self._stall > 0 or self._in_stall
+
+    def stop(self, drain_timeout: float = 30.0, *, refuse_waiting: bool = False) -> bool:
+        """Refuse new requests, let running ones finish (up to the timeout), then cut what is
+        left and stop the thread. Returns True if everything drained.
+
+        A cut request ends with a final "cancelled" event that carries the tokens it had not
+        sent yet (its consumer gets it before the thread stops; nothing is dropped). Waiting
+        requests run too (a model switch: nothing is refused), or, with `refuse_waiting` (the
+        daemon stopping), end at once unstarted, with `handle.refused` saying why.
+        """
+        with self._cv:
+            self._stopping = True
+            self._drain_until = min(self._drain_until, time.monotonic() + drain_timeout)
+            if refuse_waiting:
+                self._refuse_waiting()
+            self._cv.notify()
+        while True:
+            with self._cv:
+                if not self._sched.busy or time.monotonic() >= self._drain_until:
+                    break
+            time.sleep(0.01)
+        with self._cv:
+            drained = not self._sched.busy
+            if not drained:
+                log.info(
+                    "stop: drain time over; cutting %d running and %d waiting requests",
+                    len(self._sched.running),
+                    len(self._sched.waiting),
+                )
+            self._cut = True
+            for p in [*self._sched.waiting, *self._sched.running]:
+                p.handle.cancel()
+            self._unstall.set()
+            self._cv.notify()
+        # the thread ends each cut request with its final event, then returns by itself
+        self._thread.join(timeout=5.0)
+        with self._cv:
+            self._closed = True  # a thread still inside a step (a wedged runtime) exits after it
+            self._cv.notify()
+            self._store.persist_all()
+        return drained
+
+    def hurry(self, drain_timeout: float) -> None:
+        """Bring a `stop` already under way (an old engine draining after a reload) forward:
+        waiting requests are refused now and running ones cut within `drain_timeout`."""
+        with self._cv:
+            self._drain_until = min(self._drain_until, time.monotonic() + drain_timeout)
+            if self._stopping:
+                self._refuse_waiting()
+            self._cv.notify()
+
+    def _refuse_waiting(self) -> None:
+        """End every waiting request unstarted (under the lock; the engine thread never saw
+        them): the caller gets `Unavailable`, as a request that came a moment later would."""
+        refused = self._sched.drop_waiting(lambda p: False)
+        for p in refused:
+            self._tally.totals["cancelled"] += 1
+            if p.session is not None:
+                p.session.busy = False
+                self._store.unstage(p.session)
+            p.handle.refused = Unavailable(STOPPING_REFUSED)
+            p.handle.emit(
+                TokenEvent(
+                    "", finish_reason="cancelled", stats=unstarted_stats(p), error=STOPPING_REFUSED
+                )
+            )
+        if refused:
+            log.info("stop: refused %d waiting requests", len(refused))
