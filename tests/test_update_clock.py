@@ -322,7 +322,7 @@ def test_a_restart_in_the_trial_continues_its_elapsed_time(
     the trial's start and, backwards, waited for years)."""
     monkeypatch.setattr(updater_module, "TRIAL_SAVE_S", 0.0)  # every health check writes it
     dev = device(tmp_path, models, trusted, 0.0, synced=True)
-    dev.config = dataclasses.replace(dev.config, trial_s=3.0)
+    dev.config = dataclasses.replace(dev.config, trial_s=6.0)  # far from over at the crash
 
     async def run() -> None:
         host = await dev.start(lambda s: None)
@@ -339,16 +339,16 @@ def test_a_restart_in_the_trial_continues_its_elapsed_time(
             await asyncio.wait_for(task, WAIT_S)
         rec = dev.store.record()
         assert rec is not None and rec.state == R.TRIAL
-        assert 0 < rec.trial_elapsed_s < 3.0, rec
+        assert 0 < rec.trial_elapsed_s < 6.0, rec
         kept = rec.trial_elapsed_s
         dev.clock.step(years * YEAR, synchronized=years > 0)
         with caplog.at_level(logging.INFO, logger="agent.ota.updater"):
             again = await dev.start(lambda s: None)
             final = await dev.final(again)
         assert final.phase == Phase.COMMITTED, (final, again.phases())
-        assert f"trial continues at {kept:.1f} of 3 s" in caplog.text
+        assert f"trial continues at {kept:.1f} of 6 s" in caplog.text
         rec = dev.store.record()
-        assert rec is not None and rec.trial_restarts == 1 and rec.trial_elapsed_s == 3.0
+        assert rec is not None and rec.trial_restarts == 1 and rec.trial_elapsed_s == 6.0
 
     asyncio.run(run())
 
@@ -358,9 +358,13 @@ def test_an_old_record_without_elapsed_time_runs_a_whole_trial(models, trusted, 
     year ago): the new agent reads it and runs a whole trial of served time."""
     dev = device(tmp_path, models, trusted, 0.0, synced=True)
 
+    def crash_as_the_trial_starts(status: fpb.UpdateStatus) -> None:
+        if status.phase == Phase.TRIAL:
+            hosts[0].updater.stop()  # the task ends at the trial's first await
+
     async def run() -> None:
-        host = await dev.start(lambda s: None)
-        host.on_check = lambda n: host.updater.stop() if n == 1 else None
+        host = await dev.start(crash_as_the_trial_starts)
+        hosts.append(host)
         assert (await host.updater.offer(payload)).phase == Phase.RECEIVED
         task = host.updater._task
         assert task is not None
@@ -378,6 +382,7 @@ def test_an_old_record_without_elapsed_time_runs_a_whole_trial(models, trusted, 
         assert final.phase == Phase.COMMITTED, (final, again.phases())
         assert dev.at[Phase.COMMITTED] - resumed >= TRIAL_S
 
+    hosts: list[FileHost] = []
     asyncio.run(run())
 
 
