@@ -14,6 +14,7 @@ to the real time when NTP syncs, possibly minutes after the agent started. So:
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -44,15 +45,23 @@ def kernel_synchronized() -> bool | None:
     """The kernel's view (what `timedatectl` shows as "System clock synchronized"): True when an
     NTP client disciplines the clock, False when adjtimex(2) says TIME_ERROR, None where it
     cannot be asked (not Linux, no libc). Read-only: `modes` is 0."""
-    try:
-        adjtimex = ctypes.CDLL(None).adjtimex  # libc, already in this process
-    except (OSError, AttributeError):
+    adjtimex = _adjtimex()
+    if adjtimex is None:
         return None
     buf = ctypes.create_string_buffer(_TIMEX_BYTES)  # zeroed: modes = 0, nothing is set
     state = int(adjtimex(buf))
     if state < 0:
         return None
     return state != _TIME_ERROR
+
+
+@functools.cache
+def _adjtimex() -> Callable[[ctypes.Array[ctypes.c_char]], int] | None:
+    try:
+        fn: Callable[[ctypes.Array[ctypes.c_char]], int] = ctypes.CDLL(None).adjtimex  # libc
+    except (OSError, AttributeError):
+        return None
+    return fn
 
 
 class Clock:
