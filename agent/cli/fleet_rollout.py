@@ -156,8 +156,8 @@ def _resume_connection(args: argparse.Namespace, kept: tuple[tuple[str, str], ..
     in its state; `--broker` given now replaces it whole, and says so."""
     if not kept or args.broker:
         opts, _ = _connection(args)
-        if kept:
-            was = dict(kept).get("broker", "?")
+        was = dict(kept).get("broker", "")
+        if was and was != opts.broker.url():
             print(
                 f"edge-agent: resuming on {opts.broker.url()} as given (the rollout started "
                 f"on {was})",
