@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))
 from agent.toolchain import corpus  # noqa: E402
 from agent.toolchain import tokenizer as tk  # noqa: E402
 from agent.toolchain.config import DEMO_SPEC  # noqa: E402
+from agent.toolchain.demo_chat import DEMO_CHAT_TEMPLATE  # noqa: E402
 
 STAGES = ("data", "train", "export", "eval", "commit")
 VARIANTS = ("fp32", "int8", "int4_block32", "int4_block64", "mixed")
@@ -51,8 +52,9 @@ PREFILL_LENS = (32, 128, 512)
 #: verify_<N> signatures: speculative decoding checks N-1 drafted tokens per call
 VERIFY_LENS = (4, 8, 16)
 #: A code model, not an assistant: the system text becomes a comment, the user text is the
-#: code to continue.
-CHAT_TEMPLATE = "# {system}\n{user}"
+#: code to continue; roles and Hermes tool calls only where that old form had no place
+#: (agent/toolchain/demo_chat.py).
+CHAT_TEMPLATE = DEMO_CHAT_TEMPLATE
 #: Prompts end at a token boundary: a trailing space would be tokenized as a lone "▁" piece,
 #: which the training data (where spaces prefix words: "▁name") almost never contains.
 SAMPLE_PROMPTS = (
