@@ -463,3 +463,15 @@ def test_quota_keys() -> None:
         parse_config({"quotas": {"session_bytes_per_client": 0}}, "agent.toml")
     with pytest.raises(ConfigError, match="quotas"):
         parse_config({"quotas": {"sessions": 2}}, "agent.toml")
+
+
+def test_daemon_limits_derive_quotas_and_shared_sessions_are_one_client() -> None:
+    from agent.daemon.plan import engine_limits
+
+    lim = engine_limits(parse_config({"quotas": {"waiting_per_client": 3}}, "agent.toml"))
+    assert (lim.sessions_per_client, lim.session_bytes_per_client) == (None, None)  # derived
+    assert lim.waiting_per_client == 3
+    # shared sessions: every caller is the one anonymous owner, so no split of the bounds
+    shared = engine_limits(parse_config({"sessions": {"share": True}}, "agent.toml"))
+    assert (shared.sessions_per_client, shared.waiting_per_client) == (8, 16)
+    assert shared.session_bytes_per_client is not None and shared.session_bytes_per_client > 1 << 60
