@@ -6,8 +6,11 @@ info, a session round trip, bad input → InvalidArgument, cancellation mid-gene
 daemon's log shows that request cancelled early and the slot is free). And stock protoc
 compiles the .proto files the wheel ships (Python and C++).
 
-The daemon runs the shipped demo model: its decode is slow enough here that a cancel lands in
-the middle of a generation (the tiny test model finishes 100 tokens before a cancel arrives).
+The daemon runs the shipped demo model; the cancellations go to a second one that runs it
+without its stop token (tests/endless.py): a 900-token generation there takes about a second
+whatever the sampler draws, so a cancel sent after its first chunk lands in the middle of it
+(the tiny test model finishes 100 tokens before a cancel arrives, and the demo model itself
+may draw its EOS early; structured output needs that EOS, so it stays on the first daemon).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from agent.modeldir import demo_model_dir
 from agent.rpc import identity
 from agent.rpc.client import build_request
 from tests.daemon_harness import Daemon
+from tests.endless import endless_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
 LONG = 900  # max_tokens of the generations the tests cancel (the demo model's context is 1024)
@@ -75,6 +79,7 @@ for name in ("numpy", "ai_edge_litert", "agent"):
     assert name not in sys.modules, name
 sock = sys.argv[1]
 LONG = int(sys.argv[2])
+long_sock = sys.argv[3]  # the model without a stop token: LONG tokens always take a while
 out = {"version": edge_agent_client.__version__}
 
 # every field of the API's messages is in the client's dataclasses
@@ -87,7 +92,7 @@ for cls, message in [
     assert names == [f.name for f in message.DESCRIPTOR.fields], (cls, names)
 
 def wait_idle(c):
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while c.status().active_requests and time.monotonic() < deadline:
         time.sleep(0.02)
     return c.status().active_requests
@@ -161,7 +166,8 @@ with Client(sock, key="app-one") as c:
         out["bad_temperature"] = [exc.code, str(exc)]
     assert c.complete("x", max_tokens=2).finish_reason in ("stop", "length")
 
-    # cancel mid-way: iteration ends, the completion says so, the slot is free
+# cancel mid-way: iteration ends, the completion says so, the slot is free
+with Client(long_sock, key="app-one") as c:
     gen = c.generate("import os\n", max_tokens=LONG, temperature=1.0, seed=3)
     first = next(gen)
     assert first.finish_reason is None
@@ -191,13 +197,14 @@ async def main():
             await a.complete([("robot", "x")], max_tokens=3)
         except InvalidArgument as exc:
             out["async_bad_role"] = [exc.code, str(exc)]
+    async with AsyncClient(long_sock, key="app-one") as a:
         gen = a.generate("import os\n", max_tokens=LONG, temperature=1.0, seed=4)
         first = await gen.__anext__()
         assert first.finish_reason is None
         gen.cancel()
         cancelled = await gen.completion()
         assert cancelled.finish_reason == "cancelled" and len(cancelled.token_ids) < LONG
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while (await a.status()).active_requests and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         out["async_cancel"] = {"idle": (await a.status()).active_requests}
@@ -245,7 +252,16 @@ def site(wheel: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("client-daemon"), demo_model_dir(), "")
+    tmp = tmp_path_factory.mktemp("client-daemon")
+    d = Daemon(tmp, demo_model_dir(), "")
+    yield d
+    assert d.stop() == 0, d.read_log()
+
+
+@pytest.fixture(scope="module")
+def endless(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    tmp = tmp_path_factory.mktemp("client-endless")
+    d = Daemon(tmp, endless_model_dir(tmp / "model"), "")
     yield d
     assert d.stop() == 0, d.read_log()
 
@@ -353,9 +369,9 @@ def test_identity_matches_the_daemon(site: Path) -> None:
     assert got == [identity.METADATA_KEY, identity.KEY_ENV, str(identity.default_key_path())]
 
 
-def test_client_against_a_real_daemon(site: Path, daemon: Daemon) -> None:
-    since = len(daemon.read_log())
-    out = run_client(site, SCRIPT, str(daemon.socket), str(LONG))
+def test_client_against_a_real_daemon(site: Path, daemon: Daemon, endless: Daemon) -> None:
+    since = len(endless.read_log())
+    out = run_client(site, SCRIPT, str(daemon.socket), str(LONG), str(endless.socket))
     assert out["version"] == agent.__version__
     assert out["health"] == out["async_health"] == "SERVING"
     # the typed stream is what the project's own client gets for the same request
@@ -379,7 +395,7 @@ def test_client_against_a_real_daemon(site: Path, daemon: Daemon) -> None:
     assert "robot" in out["bad_role"][1]
     # the daemon stopped both cancelled requests (the only ones) early and freed their slots
     assert out["sync_cancel"]["idle"] == out["async_cancel"]["idle"] == 0, out
-    cut = re.findall(r"request r\d+ cancelled: \d+\+(\d+) tokens", daemon.read_log()[since:])
+    cut = re.findall(r"request r\d+ cancelled: \d+\+(\d+) tokens", endless.read_log()[since:])
     assert len(cut) == 2 and all(int(n) < LONG for n in cut), cut
 
 

@@ -29,6 +29,7 @@ from agent.errors import ConfigError
 from agent.modeldir import demo_model_dir
 from agent.rpc.client import build_request
 from tests.daemon_harness import Daemon
+from tests.endless import endless_model_dir
 
 CONFIG = "[watchdog]\ntick_s = 0.2\n[limits]\nmax_active = 8\nqueue_capacity = 8\n"
 
@@ -297,7 +298,7 @@ def _active(d: Daemon) -> int:
     return int(d.client().status()["active_requests"])
 
 
-def _wait_idle(d: Daemon, timeout: float = 10.0) -> None:
+def _wait_idle(d: Daemon, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if _active(d) == 0:
@@ -308,19 +309,30 @@ def _wait_idle(d: Daemon, timeout: float = 10.0) -> None:
 
 @pytest.fixture(scope="module")
 def one_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Path]]:
-    """One running request and one queued at most, on the demo model (its context of 1024
-    tokens takes over a second to fill here: long enough to hang up in the middle)."""
+    """One running request and one queued at most, on the demo model without its stop token
+    (tests/endless.py: 900 tokens take about a second here, and no sampled EOS ends them
+    sooner: long enough to hang up in the middle)."""
     tmp = tmp_path_factory.mktemp("one-slot")
     path = tmp / "h.sock"
     d = Daemon(
         tmp,
-        demo_model_dir(),
+        endless_model_dir(tmp / "model"),
         "[limits]\nmax_active = 1\nqueue_capacity = 1\n",
         args=("--http", str(path)),
     )
     yield d, path
     assert d.stop() == 0, d.read_log()
     assert not path.exists()  # removed at shutdown
+
+
+@pytest.fixture(scope="module")
+def demo_sock(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The demo model as shipped (its EOS ends a constrained answer)."""
+    tmp = tmp_path_factory.mktemp("demo-http")
+    path = tmp / "h.sock"
+    d = Daemon(tmp, demo_model_dir(), "", args=("--http", str(path)))
+    yield path
+    assert d.stop() == 0, d.read_log()
 
 
 LONG = {"model": "demo", "prompt": "import os\n", "max_tokens": 900, "temperature": 1.0, "seed": 3}
@@ -494,11 +506,11 @@ def _is_object(value: Any) -> None:
     assert isinstance(value, dict)
 
 
-def test_response_format_is_valid_by_construction(one_slot: tuple[Daemon, Path]) -> None:
+def test_response_format_is_valid_by_construction(demo_sock: Path) -> None:
     """response_format → the engine's constraint: the output is what the schema allows,
     checked by jsonschema (outside our code). On the demo model: a bounded schema ends."""
     jsonschema = pytest.importorskip("jsonschema")
-    c = http_client(one_slot[1])
+    c = http_client(demo_sock)
     for temperature in (0.0, 1.0):
         r = c.chat.completions.create(
             model="demo",
@@ -536,7 +548,7 @@ def test_response_format_is_valid_by_construction(one_slot: tuple[Daemon, Path])
     choice = anything.choices[0]
     _valid_or_cut(choice.text, choice.finish_reason, _is_object)
     bad = raw(
-        one_slot[1],
+        demo_sock,
         "POST",
         "/v1/chat/completions",
         json={
@@ -632,7 +644,7 @@ def test_metrics_count_http_requests(daemon: Daemon, sock: Path) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     c = http_client(sock)
-    c.completions.create(model="tiny", prompt="x", max_tokens=2)
+    done = c.completions.create(model="tiny", prompt="x", max_tokens=2, seed=1)
     assert raw(sock, "POST", "/v1/completions", json={"prompt": 1}).status_code == 400
     r = raw(sock, "GET", "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
@@ -642,5 +654,6 @@ def test_metrics_count_http_requests(daemon: Daemon, sock: Path) -> None:
         for s in samples
         if s.name == "edge_agent_requests_total" and s.labels.get("api") == "http"
     ]
-    assert sum(s.value for s in http_done if s.labels["outcome"] == "length") >= 1
+    outcome = done.choices[0].finish_reason  # "length", or "stop" if the model drew its EOS
+    assert sum(s.value for s in http_done if s.labels["outcome"] == outcome) >= 1
     assert any(s.labels["outcome"] == "refused" and s.value >= 1 for s in http_done)
