@@ -11,6 +11,7 @@ between any number of clients. A client over a quota is refused with `QuotaExcee
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ from agent.engine.stats import ModelInfo
 from agent.engine.types import EngineLimits
 from agent.errors import QuotaExceeded
 from agent.profile import KVConfig
+
+log = logging.getLogger(__name__)
 
 SHARE = 2  # the derived defaults: one client may hold 1/SHARE of each shared bound
 
@@ -85,28 +88,40 @@ class ClientQuotas:
         """Before `owner` creates (or forks, `adds` bytes) a session."""
         mine = [s for s in sessions if s.owner == owner]
         if len(mine) >= self.sessions:
-            raise QuotaExceeded(
-                "sessions_per_client",
-                self.sessions,
-                f"{len(mine)} sessions",
-                "delete one of its sessions first",
+            raise _refused(
+                owner,
+                QuotaExceeded(
+                    "sessions_per_client",
+                    self.sessions,
+                    f"{len(mine)} sessions",
+                    "delete one of its sessions first",
+                ),
             )
-        self._check_bytes(mine, adds)
+        self._check_bytes(owner, mine, adds)
 
     def check_turn(self, sessions: Iterable[Session], owner: str) -> None:
         """Before a turn of one of `owner`'s sessions: its sessions' bytes are within quota (the
         turn may take it past by that turn's own rows; the next call is refused then)."""
-        self._check_bytes([s for s in sessions if s.owner == owner], 0)
+        self._check_bytes(owner, [s for s in sessions if s.owner == owner], 0)
 
-    def _check_bytes(self, mine: list[Session], adds: int) -> None:
+    def _check_bytes(self, owner: str, mine: list[Session], adds: int) -> None:
         if self.session_bytes is None:
             return
         held = sum(self.held_bytes(s) for s in mine)
         if held + adds > self.session_bytes or (adds == 0 and held >= self.session_bytes):
             extra = f" (+{adds} for the copy)" if adds else ""
-            raise QuotaExceeded(
-                "session_bytes_per_client",
-                self.session_bytes,
-                f"{held} bytes of session KV{extra}",
-                "delete some of its sessions first",
+            raise _refused(
+                owner,
+                QuotaExceeded(
+                    "session_bytes_per_client",
+                    self.session_bytes,
+                    f"{held} bytes of session KV{extra}",
+                    "delete some of its sessions first",
+                ),
             )
+
+
+def _refused(owner: str, exc: QuotaExceeded) -> QuotaExceeded:
+    """One line per refusal (the owner is the key's hash, never the key)."""
+    log.warning("client %s refused: %s", owner or "(anonymous)", exc)
+    return exc
