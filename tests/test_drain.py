@@ -301,3 +301,57 @@ def test_sigterm_cuts_running_requests_with_their_tokens_and_refuses_queued_ones
         if d.proc.poll() is None:
             d.signal(signal.SIGCONT)  # a test that failed while the daemon was frozen
         d.stop()
+
+
+def test_a_draining_engine_that_a_stop_hurries_ends_every_request(
+    dev_profile: Any, tiny_model_dir: Path
+) -> None:
+    """A reload's old engine drains with a long drain time (waiting requests would run too);
+    the daemon stopping meanwhile hurries it: the waiting request is refused unstarted and the
+    running one is cut, its last event holding its tokens so far. The running request is held
+    by its consumer, which takes nothing (the engine pauses it after one event)."""
+    from agent.engine.engine import Engine, EngineLimits
+    from agent.engine.sampler import SamplingParams
+    from agent.engine.stopping import STOPPING_CUT, STOPPING_REFUSED
+    from agent.engine.types import GenerateRequest, TokenEvent
+    from agent.errors import Unavailable
+
+    limits = EngineLimits(max_active=1, queue_capacity=2, max_pending_events=1, event_tokens=1)
+    engine = Engine(dev_profile, tiny_model_dir, limits=limits)
+    try:
+        greedy = GenerateRequest("def f(x):", max_tokens=100, sampling=SamplingParams(0.0))
+        ran: list[TokenEvent] = []
+        began = threading.Event()
+
+        def held(event: TokenEvent) -> None:  # engine thread; never acknowledged
+            ran.append(event)
+            began.set()
+
+        running = engine.submit(greedy, held)
+        assert began.wait(60)
+        waited: list[TokenEvent] = []
+        waiting = engine.submit(greedy, waited.append)
+        drained: list[bool] = []
+        drain = threading.Thread(target=lambda: drained.append(engine.stop(600.0)))
+        drain.start()  # as Serving drains an old engine
+        engine.hurry(0.0)  # as the daemon's stop does
+        drain.join(60)
+        assert drained == [False]
+        assert running.done.is_set() and waiting.done.is_set()
+        last = ran[-1]
+        assert last.finish_reason == "cancelled" and last.error == STOPPING_CUT
+        tokens = [t for e in ran for t in e.token_ids]
+        assert last.stats is not None and last.stats.generated_tokens == len(tokens)
+        assert 0 < len(tokens) < 100
+        assert [(e.finish_reason, e.error, e.token_ids) for e in waited] == [
+            ("cancelled", STOPPING_REFUSED, ())
+        ]
+        assert isinstance(waiting.refused, Unavailable) and running.refused is None
+        reference = Engine(dev_profile, tiny_model_dir)
+        try:
+            want = reference.complete(greedy)
+        finally:
+            reference.close()
+        assert tokens == list(want.token_ids[: len(tokens)])
+    finally:
+        engine.close()

@@ -45,6 +45,7 @@ class Stopping:
         self._cut = False  # the stop's drain time is over: a cancelled request was cut
         self._unstall = threading.Event()  # ends an injected stall (a stop, `end_stall`)
         self._in_stall = False
+        self._refusing = False  # `hurry` came first: the stop refuses what waits
 
     def inject_stall(self, seconds: float) -> None:
         """Fault injection for tests: the engine thread sleeps for `seconds` at its next turn,
@@ -78,7 +79,7 @@ class Stopping:
         with self._cv:
             self._stopping = True
             self._drain_until = min(self._drain_until, time.monotonic() + drain_timeout)
-            if refuse_waiting:
+            if refuse_waiting or self._refusing:
                 self._refuse_waiting()
             self._cv.notify()
         while True:
@@ -108,10 +109,12 @@ class Stopping:
         return drained
 
     def hurry(self, drain_timeout: float) -> None:
-        """Bring a `stop` already under way (an old engine draining after a reload) forward:
-        waiting requests are refused now and running ones cut within `drain_timeout`."""
+        """Bring a `stop` (an old engine draining after a reload) forward, whether it is under
+        way or yet to come: waiting requests are refused and running ones cut within
+        `drain_timeout`."""
         with self._cv:
             self._drain_until = min(self._drain_until, time.monotonic() + drain_timeout)
+            self._refusing = True
             if self._stopping:
                 self._refuse_waiting()
             self._cv.notify()
