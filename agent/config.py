@@ -117,7 +117,7 @@ class LimitsConfig:
     # this long (new ones already go to the new engine)
     reload_drain_s: float = 20.0
     max_tokens: int = 4096  # upper bound on any request's max_tokens
-    max_sessions: int = 8  # conversations kept resident (least recently used closed beyond)
+    max_sessions: int = 8  # live conversations; beyond, fair eviction (agent.kv.quota)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,9 @@ class SessionCalls:
     _store: SessionStore
 
     def create_session(self, owner: str = "", policy: str = "error") -> str:
-        """A new, empty conversation (policy `error` or `truncate` for a full context). When
-        `max_sessions` are live, the least recently used idle one is dropped."""
+        """A new, empty conversation (policy `error` or `truncate` for a full context), within
+        the owner's quotas; when `max_sessions` are live, room is made from the owner's own idle
+        sessions or those of clients over their fair share (`SessionStore.create`)."""
         with self._cv:
             sid = self._store.create(owner, policy).id
         log.info("session %s created", sid, extra={"session_id": sid})
