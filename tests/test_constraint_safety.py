@@ -277,6 +277,24 @@ def test_a_deep_grpc_schema_is_invalid_argument_not_unknown(daemon: Daemon) -> N
     still_serving(daemon)
 
 
+def test_a_constraint_failing_while_it_generates_is_one_line_not_a_traceback(
+    daemon: Daemon,
+) -> None:
+    """The tiny model has no ``{`` piece: after two letters this grammar forces one, which
+    only shows while generating. The request ends with ERROR naming the character, the
+    daemon logs one line for it (it logged a traceback: an engine bug's treatment), and goes
+    on serving."""
+    since = len(daemon.read_log())
+    last = grpc_generate(daemon, constraint=pb.Constraint(regex=r"[a-z]{2}\{"), max_tokens=12)
+    assert isinstance(last, pb.GenerateResponse), last
+    assert last.finish_reason == pb.FINISH_REASON_ERROR, last
+    assert "constraint: the grammar needs '{' next" in last.error, last.error
+    log = daemon.read_log()[since:]
+    assert "failed: constraint: the grammar needs '{' next" in log, log[-2000:]
+    assert "Traceback" not in log, log[-3000:]
+    still_serving(daemon)
+
+
 def test_balloons_are_refused_and_twelve_of_them_keep_rss_flat(daemon: Daemon) -> None:
     """Twelve a{1000000}-class requests: refused before compiling, so RSS stays within a
     bound (they took it from 404 MiB to 2.09 GiB when each was compiled and cached)."""

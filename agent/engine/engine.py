@@ -41,7 +41,14 @@ from agent.engine.stats import EngineStats, Tally
 from agent.engine.stopping import STOPPING_CUT, Stopping
 from agent.engine.types import Completion, GenerateRequest, TokenEvent
 from agent.engine.types import EngineLimits as EngineLimits  # where callers import it from
-from agent.errors import AgentError, NonFiniteLogits, Overloaded, SessionLost, Unavailable
+from agent.errors import (
+    AgentError,
+    ConstraintFailed,
+    NonFiniteLogits,
+    Overloaded,
+    SessionLost,
+    Unavailable,
+)
 from agent.kv.prefix import PrefixCache
 from agent.profile import DeviceProfile
 
@@ -329,6 +336,9 @@ class Engine(SessionCalls, Stopping):
                 log.error("request %s failed: %s", p.handle.id, exc)
                 with self._cv:
                     self._tally.totals["nonfinite"] += 1
+                events = [gen.fail(str(exc))]
+            except ConstraintFailed as exc:  # the request's grammar, not a bug: one line
+                log.warning("request %s failed: %s", p.handle.id, exc)
                 events = [gen.fail(str(exc))]
             except Exception as exc:  # one failed request must not take the engine down
                 log.exception("request %s failed", p.handle.id)
