@@ -185,6 +185,9 @@ def _agent(s: AgentStatus) -> Iterator[Metric]:
         )
     if s.fleet_link:
         yield _state("edge_agent_fleet_link", "The MQTT fleet link", FLEET_LINK, s.fleet_link)
+    if s.clock is not None:
+        doc = "1 when the wall clock is known to be right (update windows wait for it)"
+        yield _gauge("edge_agent_clock_synchronized", doc, float(s.clock.synchronized))
 
 
 def _engine(s: AgentStatus) -> Iterator[Metric]:

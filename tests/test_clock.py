@@ -13,6 +13,7 @@ from agent.clock import Clock, ClockState, Stopwatch, kernel_synchronized
 from agent.config import parse_config
 from agent.errors import ConfigError
 from agent.fleet.health import HealthReporter, build_health, changes
+from agent.metrics import Metrics
 from agent.ota import keys
 from agent.ota.cancel import sign_cancel, verify_cancel
 from agent.ota.manifest import UpdateRejected, check_times
@@ -20,6 +21,7 @@ from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from agent.rpc.convert import status_message
 from tests.test_fleet_health import agent_status, disk, model_info, thermal
+from tests.test_metrics import scrape, value
 
 YEAR = 365 * 86400.0
 NOW = 1.8e9  # late 2027
@@ -179,3 +181,12 @@ def test_local_status_carries_the_clock() -> None:
     assert (msg.clock_synchronized, msg.clock_source) == (True, "kernel")
     msg = status_message(agent_status(clock=ClockState(False)))
     assert (msg.clock_synchronized, msg.clock_source) == (False, "")
+
+
+def test_metrics_carry_the_clock() -> None:
+    for state, want in ((ClockState(True, "timesyncd"), 1.0), (ClockState(False), 0.0)):
+        samples, types = scrape(Metrics(lambda state=state: agent_status(clock=state)))
+        assert value(samples, "edge_agent_clock_synchronized") == want
+        assert types["edge_agent_clock_synchronized"] == "gauge"
+    samples, _ = scrape(Metrics(lambda: agent_status(clock=None)))
+    assert ("edge_agent_clock_synchronized", frozenset()) not in samples
