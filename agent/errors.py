@@ -72,6 +72,8 @@ class ConstraintFailed(InvalidRequest):
     """A request's constraint could not go on while it generated (the grammar hit one of the
     constraint library's limits): the request's fault, not the daemon's; the message is ours."""
 
+    PREFIX = "constraint: "  # how its message, and so a failed request's final error, starts
+
 
 class RuntimeFailure(AgentError):
     """LiteRT failed while running a signature."""

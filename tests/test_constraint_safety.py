@@ -282,8 +282,8 @@ def test_a_constraint_failing_while_it_generates_is_one_line_not_a_traceback(
 ) -> None:
     """The tiny model has no ``{`` piece: after two letters this grammar forces one, which
     only shows while generating. The request ends with ERROR naming the character, the
-    daemon logs one line for it (it logged a traceback: an engine bug's treatment), and goes
-    on serving."""
+    daemon logs one line for it (it logged a traceback: an engine bug's treatment), HTTP
+    answers 400 (it was a 500), and the daemon goes on serving."""
     since = len(daemon.read_log())
     last = grpc_generate(daemon, constraint=pb.Constraint(regex=r"[a-z]{2}\{"), max_tokens=12)
     assert isinstance(last, pb.GenerateResponse), last
@@ -292,6 +292,9 @@ def test_a_constraint_failing_while_it_generates_is_one_line_not_a_traceback(
     log = daemon.read_log()[since:]
     assert "failed: constraint: the grammar needs '{' next" in log, log[-2000:]
     assert "Traceback" not in log, log[-3000:]
+    r = post(daemon, http_body("response_format", "regex", r"[a-z]{2}\{"))
+    assert r.status_code == 400, r.text  # the request's fault: it was a 500
+    assert "the grammar needs '{' next" in r.json()["error"]["message"], r.text
     still_serving(daemon)
 
 

@@ -35,7 +35,7 @@ from agent.config import AgentConfig
 from agent.engine.engine import Engine
 from agent.engine.request import RequestHandle
 from agent.engine.types import TokenEvent
-from agent.errors import AgentError, Overloaded, Unavailable
+from agent.errors import AgentError, ConstraintFailed, Overloaded, Unavailable
 from agent.http import body as json_body
 from agent.http import convert, faults
 from agent.http.errors import HttpError, describe, error_body
@@ -274,6 +274,9 @@ class Api:
                 handle.cancel()
         if handle.refused is not None:  # the agent stopped before it started: 503
             raise handle.refused
+        failed = event.finish_reason == "error"
+        if failed and (event.error or "").startswith(ConstraintFailed.PREFIX):  # its grammar's
+            raise HttpError(f"generation failed: {event.error}")
         if event.finish_reason == "error":  # the engine failed it (non-finite logits, LiteRT)
             raise HttpError(
                 f"generation failed: {event.error or 'no reason given'}",
