@@ -4,6 +4,7 @@ clock, and the clock's state in health (docs/UPDATES.md, "Time")."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from agent.clock import Clock, ClockState, Stopwatch, kernel_synchronized
 from agent.config import parse_config
 from agent.errors import ConfigError
 from agent.fleet.health import HealthReporter, build_health, changes
+from agent.fleet.view import FleetView
 from agent.metrics import Metrics
 from agent.ota import keys
 from agent.ota.cancel import sign_cancel, verify_cancel
@@ -190,3 +192,23 @@ def test_metrics_carry_the_clock() -> None:
         assert types["edge_agent_clock_synchronized"] == "gauge"
     samples, _ = scrape(Metrics(lambda: agent_status(clock=None)))
     assert ("edge_agent_clock_synchronized", frozenset()) not in samples
+
+
+def test_the_fleet_view_shows_a_device_whose_clock_is_not_synchronized() -> None:
+    now = time.time()
+    for clock, issues in (
+        (fpb.Clock(synchronized=False), ("clock unsynchronized",)),
+        (fpb.Clock(synchronized=True, source="kernel"), ()),
+        (None, ()),  # an older agent says nothing about its clock
+    ):
+        view = FleetView("fleet/v1")
+        state = fpb.DeviceState(
+            state=fpb.DeviceState.ONLINE, session=1, device_id="d1", timestamp_unix=now - 5
+        )
+        health = fpb.Health(seq=1, session=1, device_id="d1", timestamp_unix=now - 1)
+        if clock is not None:
+            health.clock.CopyFrom(clock)
+        view.update("fleet/v1/d1/state", state.SerializeToString(), now, retained=True)
+        view.update("fleet/v1/d1/health", health.SerializeToString(), now, retained=True)
+        (row,) = view.rows(now)
+        assert row.issues == issues

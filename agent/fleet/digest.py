@@ -93,6 +93,8 @@ class HealthInfo:
     group: str = ""
     tags: tuple[str, ...] = ()
     arch: str = ""
+    # the device says its wall clock is not synchronized: its updates wait before activating
+    clock_unsynchronized: bool = False
 
 
 class _Malformed(ValueError):
@@ -182,6 +184,7 @@ def health_info(m: pb.Health, device_id: str | None = None) -> HealthInfo:
         model_sha256=ref.sha256,
         model_digest=ref.digest,
         update_id=upd.update_id,
+        clock_unsynchronized=m.HasField("clock") and not m.clock.synchronized,
         group=m.group,
         tags=tuple(m.tags),
         arch=m.arch,

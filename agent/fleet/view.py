@@ -256,6 +256,8 @@ def _health_issues(h: HealthInfo) -> list[str]:
         issues.append(f"{h.requests_failed} failed")
     if h.nonfinite_logits:
         issues.append(f"{h.nonfinite_logits} non-finite logits")
+    if h.clock_unsynchronized:
+        issues.append("clock unsynchronized")
     # a replayed offer (the same update again) is refused and changes nothing: not an issue
     if h.update_phase in _BAD_UPDATES and not _harmless(h):
         why = f" ({h.update_reason_code})" if h.update_reason_code else ""
