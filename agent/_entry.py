@@ -31,7 +31,7 @@ def main() -> int:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     from agent.cli import main as cli_main
 
-    return cli_main(entry=True)
+    return cli_main(on_interrupt=quiet_exit)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,8 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "daemon": ANYTHING,
     "cli": ANYTHING,
     "__main__": ANYTHING,
+    # the console script's entry: takes SIGINT over before anything heavy is imported
+    "_entry": frozenset({"cli"}),
 }
 
 FORBIDDEN: Mapping[str, frozenset[str]] = {"daemon": frozenset({"cli"})}

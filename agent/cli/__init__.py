@@ -8,7 +8,8 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from agent import __version__, exitcodes
 from agent.cli.client import add_client_parser
@@ -77,10 +78,13 @@ def _completion(parser: argparse.ArgumentParser, shell: str) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None, *, entry: bool = False) -> int:
-    """Run one command. `entry`: called by `agent._entry` for the real command line, whose
-    SIGINT handling (docs in `agent._entry`) this continues: KeyboardInterrupt while the
-    command runs, an immediate exit 130 after it."""
+def main(
+    argv: Sequence[str] | None = None, *, on_interrupt: Callable[[int, Any], None] | None = None
+) -> int:
+    """Run one command. `on_interrupt`: given by `agent._entry` for the real command line,
+    whose SIGINT handling (docs in `agent._entry`) this continues: KeyboardInterrupt while the
+    command runs, then `on_interrupt` (an immediate exit 130) after it."""
+    entry = on_interrupt is not None
     args = build_parser().parse_args(argv)
     if not args.verbose:
         _silence_native_stderr()
@@ -105,10 +109,8 @@ def main(argv: Sequence[str] | None = None, *, entry: bool = False) -> int:
     except BrokenPipeError:
         return exitcodes.OK
     finally:
-        if entry:  # a Ctrl-C while Python shuts down ends the process at once, quietly
-            from agent._entry import quiet_exit
-
-            signal.signal(signal.SIGINT, quiet_exit)
+        if on_interrupt is not None:  # a Ctrl-C while Python shuts down ends it at once
+            signal.signal(signal.SIGINT, on_interrupt)
 
 
 def _flush_and_exit(code: int) -> None:

@@ -22,13 +22,26 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-if TYPE_CHECKING:
-    from agent.engine.sampler import SamplingParams
+
+class SamplingParams(Protocol):
+    """What the penalties read of `agent.engine.sampler.SamplingParams` (a protocol, so that
+    this module does not import the sampler that uses it)."""
+
+    @property
+    def logit_bias(self) -> tuple[tuple[int, float], ...]: ...
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def repetition_penalty(self) -> float: ...
+    @property
+    def repeat_last_n(self) -> int: ...
 
 BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's presence / frequency

@@ -20,7 +20,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from agent.config import Broker, FleetConfig
+from agent.config import BROKER_FORMAT, Broker, FleetConfig, parse_broker
 from agent.errors import ConfigError
 from agent.fleet.codec import (
     PROTOBUF,
@@ -31,7 +31,6 @@ from agent.fleet.codec import (
     format_indicator,
     parse_content_type,
 )
-from agent.fleetconfig import BROKER_FORMAT, parse_broker
 
 CONTENT_TYPE_KEY = "content-type"  # the user property older operator tools read
 M = TypeVar("M", bound=ProtoMessage)

@@ -36,7 +36,6 @@ the state before every offer, and sends the offers (`agent.fleet.publish.Offer`)
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import re
 import threading
@@ -64,9 +63,8 @@ from agent.fleet.rollout_state import (
 )
 from agent.fleet.rollout_store import RolloutBusy, RolloutStore
 from agent.fleet.rollout_view import RolloutView
-from agent.modeldir import METADATA_FILE, model_digest
+from agent.ota.manifest import manifest_digest
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
-from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 __all__ = [
     "RolloutBusy",
@@ -95,19 +93,6 @@ Clock = Callable[[], float]
 Lines = Callable[[str], None]
 
 _COMMANDS: Final = {"pause": plan.pause, "abort": plan.abort, "retry": plan.retry_failed}
-
-
-def manifest_digest(m: opb.Manifest) -> str:
-    """`agent.modeldir.model_digest` of the model directory the manifest describes (its
-    metadata.json, the tokenizer and the variants it names); "" if the manifest does not say."""
-    try:
-        meta = json.loads(m.metadata_json)
-        names = {METADATA_FILE, str(meta["tokenizer"])}
-        names |= {str(v["file"]) for v in meta["variants"]}
-    except (ValueError, KeyError, TypeError):
-        return ""
-    files = {f.name: f.sha256 for f in m.files if f.name in names}
-    return model_digest(files) if set(files) == names else ""
 
 
 def default_id(update_id: str, now: float) -> str:

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 
 from agent.errors import InvalidRequest
+from agent.modeldir import METADATA_FILE, model_digest
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 FORMAT_VERSION = 1
@@ -284,3 +285,16 @@ def check(manifest: opb.Manifest, ctx: InstallContext, now: float | None) -> Non
                 "agent_too_old",
                 f"the update needs agent {m.min_agent_version}, this is {ctx.agent_version}",
             )
+
+
+def manifest_digest(m: opb.Manifest) -> str:
+    """`agent.modeldir.model_digest` of the model directory the manifest describes (its
+    metadata.json, the tokenizer and the variants it names); "" if the manifest does not say."""
+    try:
+        meta = json.loads(m.metadata_json)
+        names = {METADATA_FILE, str(meta["tokenizer"])}
+        names |= {str(v["file"]) for v in meta["variants"]}
+    except (ValueError, KeyError, TypeError):
+        return ""
+    files = {f.name: f.sha256 for f in m.files if f.name in names}
+    return model_digest(files) if set(files) == names else ""
