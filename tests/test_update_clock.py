@@ -85,6 +85,7 @@ class FileHost:
         self.reports: list[fpb.UpdateStatus] = []
         self.on_report = on_report
         self.checks = 0
+        self.problem: str | None = None  # what the trial's health checks say
         self.on_check: Callable[[int], None] = lambda n: None
         self.final = asyncio.Event()
 
@@ -108,7 +109,7 @@ class FileHost:
     async def check_serving(self, canary: opb.Canary | None) -> str | None:
         self.checks += 1
         self.on_check(self.checks)
-        return None
+        return self.problem
 
     def report(self, status: fpb.UpdateStatus, key: str = "") -> None:
         self.reports.append(status)
@@ -589,3 +590,34 @@ def test_a_daemon_restarted_years_back_in_its_trial_finishes_it(
         d.stop()
         http.close()
         watch.close()
+
+
+@pytest.mark.parametrize("years", [-10, 10])
+def test_a_rolled_back_update_stays_rolled_back_whatever_the_clock(
+    years, models, trusted, payload, tmp_path
+):
+    """The clock steps as the trial starts and the trial's health check fails: rolled back,
+    and restarts with the clock off either way keep the old model."""
+    dev = device(tmp_path, models, trusted, 0.0, synced=True)
+
+    def on_report(status: fpb.UpdateStatus) -> None:
+        if status.phase == Phase.TRIAL:
+            dev.clock.step(years * YEAR, synchronized=True)
+            hosts[0].problem = "the engine thread has not answered for 12.0 s"
+
+    async def run() -> None:
+        host = await dev.start(on_report)
+        hosts.append(host)
+        assert (await host.updater.offer(payload)).phase == Phase.RECEIVED
+        final = await dev.final(host)
+        assert final.phase == Phase.ROLLED_BACK and "health check" in final.message, final
+        assert host.serving.version == 0
+        for again_years in (-years, years):
+            dev.clock.step(again_years * YEAR, synchronized=False)
+            again = await dev.start(lambda s: None)
+            assert again.serving.version == 0 and again.serving.verify() is None
+            rec = dev.store.record()
+            assert rec is not None and rec.state == R.ROLLED_BACK
+
+    hosts: list[FileHost] = []
+    asyncio.run(run())
