@@ -373,6 +373,7 @@ def run_doc_examples(
     example's output."""
     env = example_env()
     commands = [c for c in doc_examples() if "%p" not in c or encoding == codec.JSON]
+    subscribed = broker.read_log().count("Received SUBSCRIBE from")
     procs = {
         c: subprocess.Popen(
             [
@@ -389,7 +390,12 @@ def run_doc_examples(
         for c in commands
     }
     try:
-        time.sleep(2.0)  # mosquitto_sub has subscribed (it says nothing when it has)
+        # every mosquitto_sub has subscribed: it says nothing when it has, the broker's log does
+        subscribers = sum(1 for c in commands if "mosquitto_sub" in c)
+        deadline = time.monotonic() + 60
+        while broker.read_log().count("Received SUBSCRIBE from") < subscribed + subscribers:
+            assert time.monotonic() < deadline, broker.read_log()[-3000:]
+            time.sleep(0.05)
         for _ in range(3):
             for what in ("ping", "reload"):
                 r = cli("fleet", "send", device, what, "--config", str(op), "--timeout", "60")
@@ -640,7 +646,7 @@ def test_malformed_payloads_in_each_encoding_are_answered_or_ignored(json_agent,
     finally:
         pub.loop_stop()
         pub.disconnect()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while json_agent.read_log().count("malformed update block ignored") < 2:
         assert time.monotonic() < deadline, json_agent.read_log()[-3000:]
         time.sleep(0.1)
