@@ -24,6 +24,7 @@ import json
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -125,20 +126,16 @@ class _Scanner:
 class DistinctKeys:
     """A grammar state whose JSON output never holds a key twice in one object."""
 
-    __slots__ = ("_bytes", "_forbidden", "_inner", "_out", "_quotes", "_scan", "_schema", "_stop")
+    __slots__ = ("_forbidden", "_inner", "_out", "_scan", "_schema", "_stop", "_vocab")
 
     def __init__(
-        self,
-        inner: GrammarState,
-        token_bytes: Sequence[bytes],
-        quotes: npt.NDArray[np.uint8],
-        stop_ids: frozenset[int],
-        schema: str,
+        self, inner: GrammarState, token_bytes: Sequence[bytes], stop_ids: Any, schema: str
     ) -> None:
+        """`inner`: the grammar's own state; `token_bytes`: every id's bytes; `schema`: the
+        request's schema text, for the final check."""
         self._inner = inner
-        self._bytes = token_bytes
-        self._quotes = quotes
-        self._stop = stop_ids
+        self._vocab = _vocab(token_bytes)
+        self._stop = frozenset(int(t) for t in stop_ids)
         self._schema = schema
         self._scan = _Scanner()
         self._out = bytearray()
@@ -146,14 +143,34 @@ class DistinctKeys:
 
     def mask(self, logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
         out = self._inner.mask(logits)
-        scan = self._scan
-        # the fewest quotes a token needs to close a key an open object already holds (none
-        # holds one yet: this token must write the same key twice)
-        need = (1 if scan.holds_keys() else 3) + (0 if scan.in_string else 1)
-        tried = np.flatnonzero((self._quotes >= need) & (out != -np.inf)).tolist()
-        self._forbidden = [t for t in tried if not scan.feed(self._bytes[t], commit=False)]
-        if self._forbidden:
-            out[self._forbidden] = -np.inf
+        scan, vocab = self._scan, self._vocab
+        allowed = out != -np.inf
+        forbidden: list[int] = []
+        keys = scan.holds_keys()
+        if scan.in_key and not scan.escape:
+            # Inside a key: a token whose first quote closes it (nothing escaped before that
+            # quote) repeats a key exactly when what it writes first completes one the object
+            # holds: found from the object's keys, not by trying every quote token.
+            frame = scan.stack[-1] or set()
+            partial = bytes(scan.key)
+            for name in frame:
+                if name.startswith(partial):
+                    ids = vocab.closers.get(name[len(partial) :])
+                    if ids is not None:
+                        forbidden += ids[allowed[ids]].tolist()
+            tried = vocab.tricky & allowed  # 3+ quotes, or a backslash before the first
+        else:
+            # the fewest quotes a token needs to close a key an open object already holds
+            # (none holds one yet: this token must write the same key twice)
+            need = (1 if keys else 3) + (2 if scan.in_string and not scan.in_key else 0)
+            need += 0 if scan.in_string else 1
+            tried = (vocab.quotes >= need) & allowed
+        forbidden += [
+            t for t in np.flatnonzero(tried).tolist() if not scan.feed(vocab.data[t], commit=False)
+        ]
+        self._forbidden = forbidden
+        if forbidden:
+            out[forbidden] = -np.inf
             if not (out != -np.inf).any():
                 raise ConstraintFailed(
                     "constraint: every token the schema allows here repeats a key of this "
@@ -171,30 +188,50 @@ class DistinctKeys:
                 log.error("constrained output failed its final check: %s", why)
                 raise RuntimeFailure(f"constraint: the output failed its final check: {why}")
             return
-        data = self._bytes[token]
+        data = self._vocab.data[token]
         self._out += data
         self._scan.feed(data, commit=True)
 
 
-_QUOTES: dict[int, tuple[Sequence[bytes], npt.NDArray[np.uint8]]] = {}  # by vocabulary
-_QUOTES_LOCK = threading.Lock()
+@dataclass(frozen=True, slots=True)
+class _Vocab:
+    """What the key guard needs of a vocabulary, worked out once: each token's bytes, its
+    number of quotes, the tokens whose first quote closes a key by what they write before it
+    (keyed by that), and the tokens that need trying byte by byte."""
+
+    data: Sequence[bytes]
+    quotes: npt.NDArray[np.uint8]
+    closers: dict[bytes, npt.NDArray[np.intp]]
+    tricky: npt.NDArray[np.bool_]
+
+
+_VOCABS: dict[int, _Vocab] = {}  # by id of the token list (held by its entry)
+_VOCABS_LOCK = threading.Lock()
 MAX_VOCABS = 8
 
 
-def _quote_counts(token_bytes: Sequence[bytes]) -> npt.NDArray[np.uint8]:
-    """How many ``"`` each token holds (capped at 255), counted once per vocabulary."""
-    with _QUOTES_LOCK:
-        hit = _QUOTES.get(id(token_bytes))
-        if hit is not None and hit[0] is token_bytes:
-            return hit[1]
-    counts = np.fromiter(
-        (min(b.count(b'"'), 255) for b in token_bytes), dtype=np.uint8, count=len(token_bytes)
-    )
-    with _QUOTES_LOCK:
-        while len(_QUOTES) >= MAX_VOCABS:
-            del _QUOTES[next(iter(_QUOTES))]
-        _QUOTES[id(token_bytes)] = (token_bytes, counts)  # the list is held: its id stays its
-    return counts
+def _vocab(token_bytes: Sequence[bytes]) -> _Vocab:
+    with _VOCABS_LOCK:
+        hit = _VOCABS.get(id(token_bytes))
+        if hit is not None and hit.data is token_bytes:
+            return hit
+    n = len(token_bytes)
+    quotes = np.fromiter((min(b.count(b'"'), 255) for b in token_bytes), np.uint8, count=n)
+    tricky = np.zeros(n, np.bool_)
+    closing: dict[bytes, list[int]] = {}
+    for i in np.flatnonzero(quotes).tolist():
+        before = token_bytes[i][: token_bytes[i].index(b'"')]
+        if quotes[i] >= 3 or b"\\" in before:
+            tricky[i] = True
+        else:
+            closing.setdefault(before, []).append(i)
+    closers = {k: np.array(v, np.intp) for k, v in closing.items()}
+    vocab = _Vocab(token_bytes, quotes, closers, tricky)
+    with _VOCABS_LOCK:
+        while len(_VOCABS) >= MAX_VOCABS:
+            del _VOCABS[next(iter(_VOCABS))]
+        _VOCABS[id(token_bytes)] = vocab
+    return vocab
 
 
 def distinct_keys(
@@ -205,8 +242,7 @@ def distinct_keys(
     if kind not in JSON_KINDS:
         return state
     schema = text if kind == "json_schema" else OBJECT_SCHEMA
-    stops = frozenset(int(t) for t in stop_ids)
-    return DistinctKeys(state, token_bytes, _quote_counts(token_bytes), stops, schema)
+    return DistinctKeys(state, token_bytes, stop_ids, schema)
 
 
 def _distinct_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
