@@ -339,6 +339,10 @@ def test_the_unit_lifecycle_under_systemd(container: Container, tmp_path: Path) 
         "mkdir -p /etc/systemd/system/edge-agent.service.d && printf '[Service]\\n"
         "Environment=EDGE_AGENT_FAULT_INJECTION=1\\n' "
         "> /etc/systemd/system/edge-agent.service.d/50-test.conf"
+        # the stop below drains a whole 1000-token request: a drain time no loaded machine
+        # reaches (the default 5 s would cut it there, as it should a stuck client)
+        " && mkdir -p /etc/edge-agent"
+        " && printf '[limits]\\ndrain_timeout_s = 60\\n' > /etc/edge-agent/agent.toml"
         " && systemctl daemon-reload"
     )
     c.sh(
