@@ -365,6 +365,26 @@ def test_unique_items_and_dependencies_are_kept_by_a_subset_not_refused(compiler
         compiler.compile(Constraint("json_schema", json.dumps({**unique, "minItems": 2})))
 
 
+def test_property_names_over_declared_keys_leave_out_the_keys_they_refuse(compiler, tok) -> None:
+    """llguidance refused ``propertyNames`` (SchemaStore: 13 schemas)."""
+    schema = {
+        "type": "object",
+        "properties": {"ab": {"type": "integer"}, "abc": {"type": "integer"}},
+        "propertyNames": {"maxLength": 2},
+    }
+    assert feed(compiler, tok, schema, '{"abc":1}') != "accepted"
+    compiled = compiler.compile(Constraint("json_schema", json.dumps(schema)))
+    for seed in range(4):
+        out = walk(compiled, tok, seed, favour=b'{}abc":,1')
+        assert out is not None
+        valid(out, schema)
+    with pytest.raises(InvalidRequest, match=r"propertyNames refuses the required key 'abc' at \$"):
+        compiler.compile(Constraint("json_schema", json.dumps({**schema, "required": ["abc"]})))
+    free = {"type": "object", "propertyNames": {"maxLength": 2}}  # free keys: still refused
+    with pytest.raises(InvalidRequest, match="propertyNames"):
+        compiler.compile(Constraint("json_schema", json.dumps(free)))
+
+
 def test_a_requests_own_x_guidance_cannot_switch_off_checks(compiler) -> None:
     schema = {"x-guidance": {"lenient": True}, "type": "string", "format": "no-such-format"}
     with pytest.raises(InvalidRequest, match="format"):

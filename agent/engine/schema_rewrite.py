@@ -227,11 +227,37 @@ def _object(out: dict[str, Any], path: str, mode: int) -> bool:
         else:
             out.pop("patternProperties", None)
     if additional is False and not patterns and mode != EXACT:
+        changed |= _property_names(out, props, required, path)
         changed |= _count_keys(out, props, required, path)
     if changed:
         out["properties"] = props
         out["additionalProperties"] = False
     return changed
+
+
+def _property_names(
+    out: dict[str, Any], props: dict[str, Any], required: list[str], path: str
+) -> bool:
+    """``propertyNames`` (which llguidance does not implement) over an object whose keys are
+    all declared: the declared keys it refuses are left out (refused if one is required) and
+    the keyword dropped, every key written then being one it allows. Judged by jsonschema;
+    left for llguidance to refuse where that cannot judge it (a $ref inside)."""
+    names = out.get("propertyNames")
+    if names is None:
+        return False
+    try:
+        import jsonschema
+
+        check = jsonschema.Draft202012Validator(names)
+        bad = [name for name in props if not check.is_valid(name)]
+    except Exception:  # no jsonschema, or a subschema it cannot run alone
+        return False
+    for name in bad:
+        if name in required:
+            raise _refuse(path, f"propertyNames refuses the required key {name!r}")
+        del props[name]
+    del out["propertyNames"]
+    return True
 
 
 def _unique(out: dict[str, Any]) -> bool:
