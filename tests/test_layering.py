@@ -47,7 +47,9 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "runtime": frozenset({"errors", "fsutil", "modeldir", "profile", "userdirs"}),
     "kv": frozenset({"errors", "fsutil"}),
     "engine": frozenset({"errors", "kv", "modeldir", "profile", "runtime"}),
-    "status": frozenset({"engine.types", "engine.stats"}),
+    # whether the wall clock is known to be right (timesyncd, the kernel): read by ota and status
+    "clock": frozenset({"config"}),
+    "status": frozenset({"clock", "engine.types", "engine.stats"}),
     "modelimport": frozenset({"errors", "fsutil", "modeldir", "runtime", "engine"}),
     "toolchain": frozenset({"agent", "modeldir"}),
     "rpc": frozenset(
@@ -68,7 +70,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
             "ota",
         }
     ),
-    "ota": frozenset({"config", "errors", "fsutil", "modeldir", "pb", "runtime.schema"}),
+    "ota": frozenset({"clock", "config", "errors", "fsutil", "modeldir", "pb", "runtime.schema"}),
     # the OpenAI-compatible HTTP API: an adapter beside rpc (shares its socket rules, not its code)
     "http": frozenset(
         {"config", "engine", "errors", "exitcodes", "fsutil", "status", "metrics"}

@@ -145,6 +145,9 @@ class Status:
     nonfinite_logits: int
     drafted_tokens: int  # speculative decoding, over every finished request
     accepted_tokens: int
+    # whether the agent knows its wall clock is right (update validity windows wait for it)
+    clock_synchronized: bool
+    clock_source: str  # "timesyncd", "kernel", "trusted" or "" while unsynchronized
 
 
 @dataclass(frozen=True, slots=True)
