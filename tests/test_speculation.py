@@ -747,7 +747,11 @@ def test_off_and_draft_and_no_verify_signatures(  # type: ignore[no-untyped-def]
     plain = open_engine(tiny_model_dir, dev_profile_data)
     try:
         assert plain.loaded.runner.verify_lengths == ()
-        c = plain.complete(GenerateRequest(PROMPTS[0], max_tokens=20, speculation="ngram"))
+        c = plain.complete(
+            GenerateRequest(
+                PROMPTS[0], max_tokens=20, sampling=SamplingParams(), speculation="ngram"
+            )
+        )  # greedy: whether the first token is the EOS is not left to a draw
         assert c.stats.drafted_tokens == c.stats.verify_calls == 0 and c.token_ids
     finally:
         plain.close()
