@@ -499,9 +499,9 @@ def test_send_to_a_missing_device_times_out_clearly(broker) -> None:
 def test_send_gets_the_matching_answer_mqtt5_and_311(broker) -> None:
     dev = Device(broker, "dev-cmd")
     try:
-        resp = send(options(broker), PREFIX, "dev-cmd", "ping", {"k": "v"}, b"", 5)
+        resp = send(options(broker), PREFIX, "dev-cmd", "ping", {"k": "v"}, b"", 60)
         assert resp.code == pb.CommandResponse.OK and resp.pong.session == 2
-        resp = send(options(broker, protocol="3.1.1"), PREFIX, "dev-cmd", "status", timeout_s=5)
+        resp = send(options(broker, protocol="3.1.1"), PREFIX, "dev-cmd", "status", timeout_s=60)
         assert resp.code == pb.CommandResponse.OK and resp.status.model.name == "tiny"
         assert dev.received == ["ping", "status"]
     finally:
