@@ -233,17 +233,25 @@ def test_the_token_that_would_repeat_a_key_is_masked(compiler, tok, name: str) -
 
 @pytest.mark.parametrize(
     "prefix",
-    ['{"a\\"":1,"a\\', '{"a\\"":1,"a', '{"ab":1,"b":"x', '{"ab":1,"b":[', '{"ab":1,"cd":2,'],
+    ['{"a\\"":1,"a\\"', '{"ab":{"cd":1},"ab', '{"ab":1,"b":"x', '{"ab":1,"b":[', '{"ab":1,"c":2,'],
 )
 def test_no_allowed_token_repeats_a_key_from_any_state(compiler, tok, prefix: str) -> None:
-    """Inside an escape, a key, a value string, an array, after a comma: every token the mask
-    allows, tried on the oracle, repeats no key."""
+    """Inside an escaped key, a nested object's sibling key, a value, an array, after a
+    comma: the guard masks exactly the tokens the grammar allows that the oracle says repeat
+    a key, no more."""
     state = compiler.compile(Constraint("json_object", "")).start()
     assert drive(state, tok, prefix.encode()) == len(prefix)
-    masked = state.mask(np.zeros(tok.vocab_size, np.float32))
-    allowed = [int(i) for i in np.flatnonzero(np.isfinite(masked))]
-    assert allowed
-    assert not [i for i in allowed if repeats_a_key(prefix.encode() + tok.token_bytes(i))]
+    zeros = np.zeros(tok.vocab_size, np.float32)
+    grammar = np.isfinite(state._inner.mask(zeros))  # the grammar's own mask, unguarded
+    guarded = np.isfinite(state.mask(zeros))
+    removed = {int(i) for i in np.flatnonzero(grammar & ~guarded)}
+    repeats = {
+        int(i)
+        for i in np.flatnonzero(grammar)
+        if repeats_a_key(prefix.encode() + tok.token_bytes(int(i)))
+    }
+    assert removed == repeats
+    assert guarded.any()
 
 
 @pytest.mark.parametrize("name", list(FREE_KEYS))
