@@ -391,6 +391,18 @@ def test_property_names_over_declared_keys_leave_out_the_keys_they_refuse(compil
     free = {"type": "object", "propertyNames": {"maxLength": 2}}  # free keys: still refused
     with pytest.raises(InvalidRequest, match="propertyNames"):
         compiler.compile(Constraint("json_schema", json.dumps(free)))
+    named = {  # a pattern over free keys: the keys' own pattern
+        "type": "object",
+        "additionalProperties": {"type": "integer"},
+        "propertyNames": {"type": "string", "pattern": "^b+$"},
+        "maxProperties": 3,
+    }
+    assert feed(compiler, tok, named, '{"a":1}') != "accepted"
+    compiled = compiler.compile(Constraint("json_schema", json.dumps(named)))
+    for seed in range(4):
+        out = walk(compiled, tok, seed, favour=b'{}ab":,1')
+        assert out is not None
+        valid(out, named)
 
 
 def test_a_requests_own_x_guidance_cannot_switch_off_checks(compiler) -> None:

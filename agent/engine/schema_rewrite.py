@@ -72,6 +72,7 @@ _COMPOSED = (
     "dependencies",
 )
 _OBJECT_KEYS = (
+    "propertyNames",
     "properties",
     "patternProperties",
     "additionalProperties",
@@ -184,6 +185,52 @@ class _Walk:
 
 def _object(out: dict[str, Any], path: str, mode: int) -> bool:
     """Rewrite an object schema's keys (in `out`); whether anything changed."""
+    names_changed = mode != EXACT and _names_as_pattern(out, path)
+    return _keys(out, path, mode) or names_changed
+
+
+_NOTES = {"description", "title", "$comment", "examples"}
+
+
+def _names_as_pattern(out: dict[str, Any], path: str) -> bool:
+    """``propertyNames`` that any key meets (``{"type": "string"}``) dropped, and one that is
+    a pattern made the keys' pattern: the other keys become ``patternProperties`` under it with
+    the additionalProperties schema (declared keys it refuses are left out, refused if
+    required). What remains is for `_property_names` or llguidance's refusal."""
+    names = out.get("propertyNames")
+    if names is True or (
+        isinstance(names, dict)
+        and set(names) <= _NOTES | {"type"}
+        and names.get("type", "string") == "string"
+    ):
+        del out["propertyNames"]
+        return True
+    if not (
+        isinstance(names, dict)
+        and set(names) <= _NOTES | {"type", "pattern"}
+        and names.get("type", "string") == "string"
+        and isinstance(names.get("pattern"), str)
+        and _compiles(names["pattern"])
+        and "patternProperties" not in out
+    ):
+        return False
+    pattern = names["pattern"]
+    props = out.get("properties")
+    if isinstance(props, dict):
+        required = out.get("required", [])
+        for name in [n for n in props if not _search(pattern, n)]:
+            if name in required:
+                raise _refuse(path, f"propertyNames refuses the required key {name!r}")
+        out["properties"] = {n: v for n, v in props.items() if _search(pattern, n)}
+    additional = out.get("additionalProperties", True)
+    if additional is not False:
+        out["patternProperties"] = {pattern: {} if additional is True else additional}
+        out["additionalProperties"] = False
+    del out["propertyNames"]
+    return True
+
+
+def _keys(out: dict[str, Any], path: str, mode: int) -> bool:
     props = dict(out["properties"]) if isinstance(out.get("properties"), dict) else {}
     required = [r for r in out.get("required", []) if isinstance(r, str)]
     additional = out.get("additionalProperties", True)
