@@ -184,9 +184,8 @@ class DistinctKeys:
         self._inner.advance(token)
         if token in self._stop:
             why = check_output(bytes(self._out), json.loads(self._schema))
-            if why is not None:
-                log.error("constrained output failed its final check: %s", why)
-                raise RuntimeFailure(f"constraint: the output failed its final check: {why}")
+            if why is not None:  # the engine logs it in one line (no traceback) and ends it
+                raise ConstraintFailed(f"constraint: the output failed its final check: {why}")
             return
         data = self._vocab.data[token]
         self._out += data
