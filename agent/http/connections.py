@@ -47,6 +47,10 @@ LOG_EVERY_S: Final = 10.0
 # connections and the files opened while serving (session spill, a model reload, /proc reads).
 FD_RESERVE: Final = 64
 MIN_CONNECTIONS: Final = 4
+# Each listener's kernel queue of pending connections, and how many of them asyncio accepts in
+# one go before any protocol runs (so before an eviction can close one): descriptors that are
+# briefly open beyond the connection limit.
+BACKLOG: Final = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,30 +227,38 @@ def open_fds() -> int:
         return 0
 
 
-def fit_to_fd_limit(configured: int) -> int:
-    """The connection limit that leaves `FD_RESERVE` descriptors free under RLIMIT_NOFILE:
+def fd_headroom(listeners: int) -> int:
+    """Descriptors kept free beside the HTTP connections: gRPC and files, and each listener's
+    accept burst."""
+    return FD_RESERVE + listeners * BACKLOG
+
+
+def fit_to_fd_limit(configured: int, listeners: int) -> int:
+    """The connection limit that leaves `fd_headroom` descriptors free under RLIMIT_NOFILE:
     the configured one, or less (a warning); fewer than `MIN_CONNECTIONS` is a HostError."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return configured
     in_use = open_fds()
-    room = soft - in_use - FD_RESERVE
+    headroom = fd_headroom(listeners)
+    room = soft - in_use - headroom
     if room >= configured:
         return configured
     if room < MIN_CONNECTIONS:
         raise HostError(
             f"the open-file limit (RLIMIT_NOFILE {soft}) leaves room for {max(room, 0)} HTTP "
-            f"connections ({in_use} descriptors open, {FD_RESERVE} kept for gRPC and files); "
+            f"connections ({in_use} descriptors open, {headroom} kept for gRPC, files and "
+            "accepting); "
             f"raise LimitNOFILE= in the unit, or turn the HTTP API off"
         )
     log.warning(
         "http: connection limit %d lowered to %d: RLIMIT_NOFILE is %d, %d descriptors are open "
-        "and %d are kept for gRPC and files (raise LimitNOFILE= in the unit)",
+        "and %d are kept for gRPC, files and accepting (raise LimitNOFILE= in the unit)",
         configured,
         room,
         soft,
         in_use,
-        FD_RESERVE,
+        headroom,
     )
     return room
 

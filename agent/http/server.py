@@ -33,7 +33,7 @@ from agent.rpc.identity import loose_key_file
 
 log = logging.getLogger("agent.http")
 
-BACKLOG: Final = 64
+BACKLOG: Final = connections.BACKLOG
 
 
 def read_key(path: Path) -> str:
@@ -84,7 +84,8 @@ class HttpServer:
         cfg = self._config
         key = read_key(cfg.http.key_file) if cfg.http.key_file is not None else None
         api = Api(self._backend, self._max_tokens, key, self._metrics)
-        limit = connections.fit_to_fd_limit(cfg.http.max_connections)
+        listeners = 2 if cfg.http.tcp else 1
+        limit = connections.fit_to_fd_limit(cfg.http.max_connections, listeners)
         stats = connections.ConnectionStats(limit)
         protocol = connections.protocol_class(
             connections.ConnectionLimits(limit, cfg.http.header_timeout_s, cfg.http.body_timeout_s),
