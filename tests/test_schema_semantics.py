@@ -480,7 +480,7 @@ def test_the_final_check_turns_a_wrong_output_into_an_error(tok, compiler) -> No
     """A grammar state whose output breaks the schema it is checked against (never the case
     by construction): the stop ends in an error, not in a silent "stop"."""
     from agent.engine.json_keys import DistinctKeys, check_output, loads_distinct
-    from agent.errors import RuntimeFailure
+    from agent.errors import ConstraintFailed
 
     assert check_output(b'{"a":1}', {"type": "object"}) is None
     assert "twice" in (check_output(b'{"a":1,"a":2}', {"type": "object"}) or "")
@@ -495,7 +495,7 @@ def test_the_final_check_turns_a_wrong_output_into_an_error(tok, compiler) -> No
     state = DistinctKeys(regex.start(), bytes_, {eos(tok)}, schema)
     assert drive(state, tok, b'{"a":"x"}') == 9
     state.mask(np.zeros(tok.vocab_size, np.float32))
-    with pytest.raises(RuntimeFailure, match=r"final check: \$\['a'\]"):
+    with pytest.raises(ConstraintFailed, match=r"final check: \$\['a'\]"):
         state.advance(eos(tok))
 
 

@@ -815,8 +815,9 @@ def test_http_conversions() -> None:
     from types import SimpleNamespace
 
     from agent.engine.types import RequestStats
-    from agent.http.convert import completion_request, usage
+    from agent.http.convert import completion_request
     from agent.http.errors import HttpError
+    from agent.http.replies import usage
     from agent.profile.schema import GenerationDefaults
 
     engine = SimpleNamespace(profile=SimpleNamespace(generation=GenerationDefaults(8, 0, 0, 1, 64)))

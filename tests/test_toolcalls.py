@@ -478,7 +478,7 @@ def test_tool_messages_on_the_old_template_form_are_refused(sp) -> None:
 
 
 def test_assistant_message_maps_each_family_to_openai_tool_calls() -> None:
-    from agent.http.convert import assistant_message, tool_delta
+    from agent.http.replies import assistant_message, tool_delta
 
     hermes = 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
     message, reason = assistant_message(hermes, "hermes", "stop")

@@ -37,7 +37,7 @@ from agent.engine.request import RequestHandle
 from agent.engine.types import TokenEvent
 from agent.errors import AgentError, ConstraintFailed, Overloaded, Unavailable
 from agent.http import body as json_body
-from agent.http import convert, faults
+from agent.http import convert, faults, replies
 from agent.http.errors import HttpError, describe, error_body
 from agent.rpc.identity import owner_of
 
@@ -284,16 +284,16 @@ class Api:
                 kind="server_error",
             )
         end = _finish_reason(event)
-        if end not in convert.FINISH:
+        if end not in replies.FINISH:
             raise Unavailable(f"generation {event.finish_reason}: {event.error or 'no reason'}")
         text = "".join(pieces)
         if chat:
-            out = convert.chat_response(handle.id, created, model, text, end, event.stats)
+            out = replies.chat_response(handle.id, created, model, text, end, event.stats)
             if parsed.tool_parse:  # the calls it holds (agent.engine.toolcalls)
-                message, reason = convert.assistant_message(text, parsed.tool_parse, end)
+                message, reason = replies.assistant_message(text, parsed.tool_parse, end)
                 out["choices"][0].update(message=message, finish_reason=reason)
         else:
-            out = convert.completion_response(handle.id, created, model, text, end, event.stats)
+            out = replies.completion_response(handle.id, created, model, text, end, event.stats)
         return JSONResponse({**out, **_cut_note(event)})
 
     async def _stream(
@@ -311,7 +311,7 @@ class Api:
         try:
             if chat:
                 yield _sse(
-                    convert.chat_chunk(rid, created, model, {"role": "assistant", "content": ""})
+                    replies.chat_chunk(rid, created, model, {"role": "assistant", "content": ""})
                 )
             while True:
                 event, count = await events.take()
@@ -321,7 +321,7 @@ class Api:
                     return
                 end = _finish_reason(event)
                 note = _cut_note(event)
-                if end is not None and end not in convert.FINISH:
+                if end is not None and end not in replies.FINISH:
                     why = event.error or "no reason given"
                     yield _sse(error_body(f"generation {end}: {why}", "server_error"))
                     return
@@ -329,24 +329,24 @@ class Api:
                     held.append(event.text)
                     if end is not None:
                         text = "".join(held)
-                        message, reason = convert.assistant_message(text, tool_parse, end)
-                        delta = convert.tool_delta(message)
-                        yield _sse(convert.chat_chunk(rid, created, model, delta))
-                        yield _sse({**convert.chat_chunk(rid, created, model, {}, reason), **note})
+                        message, reason = replies.assistant_message(text, tool_parse, end)
+                        delta = replies.tool_delta(message)
+                        yield _sse(replies.chat_chunk(rid, created, model, delta))
+                        yield _sse({**replies.chat_chunk(rid, created, model, {}, reason), **note})
                 elif chat:
                     delta = {"content": event.text} if event.text else {}
                     if delta or end is not None:
-                        chunk = convert.chat_chunk(rid, created, model, delta, end)
+                        chunk = replies.chat_chunk(rid, created, model, delta, end)
                         yield _sse({**chunk, **note})
                 elif event.text or end is not None:
-                    chunk = convert.completion_response(rid, created, model, event.text, end, None)
+                    chunk = replies.completion_response(rid, created, model, event.text, end, None)
                     yield _sse({**chunk, **note})
                 if end is not None:
                     if include_usage:
                         if chat:
-                            usage = convert.chat_chunk(rid, created, model, None, None, event.stats)
+                            usage = replies.chat_chunk(rid, created, model, None, None, event.stats)
                         else:
-                            usage = convert.completion_response(
+                            usage = replies.completion_response(
                                 rid, created, model, "", None, event.stats
                             )
                             usage["choices"] = []
