@@ -26,7 +26,9 @@ def test_a_tokenizer_json_model_never_imports_the_hub_client(tmp_path: Path) -> 
         "print(json.dumps({'ids': list(ids), 'hub': 'huggingface_hub' in sys.modules,\n"
         "                  'tokenizers': 'tokenizers' in sys.modules}))\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["tokenizers"] and got["ids"]  # the library did the work

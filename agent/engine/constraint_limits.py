@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from agent.engine.constraint_patterns import json_block, scan, without_json
+from agent.engine.constraint_patterns import brackets, json_block, scan, without_json
 from agent.errors import InvalidRequest
 
 
@@ -61,18 +61,8 @@ def refuse(kind: str, what: str) -> InvalidRequest:
 def check_json_nesting(text: str, kind: str, limits: ConstraintLimits = LIMITS) -> None:
     """Refuse JSON text nested deeper than the limit, before a parser recurses into it."""
     depth = 0
-    in_string = escaped = False
-    for at, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
+    for at, ch in brackets(text):
+        if ch in "[{":
             depth += 1
             if depth > limits.max_json_nesting:
                 raise refuse(

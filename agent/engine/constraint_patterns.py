@@ -5,6 +5,7 @@ and the ``%json {...}`` blocks of a Lark grammar."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Protocol
 
 from agent.errors import InvalidRequest
@@ -159,16 +160,12 @@ def _too_big(what: str, limits: Limits, at: int, count: int | None = None) -> In
     )
 
 
-def json_block(text: str, start: int) -> str | None:
-    """The balanced ``{...}`` that starts after `start` (skipping blanks), or None."""
-    i = start
-    while i < len(text) and text[i] in " \t\r\n":
-        i += 1
-    if i >= len(text) or text[i] != "{":
-        return None
-    depth, in_string, escaped = 0, False, False
-    for j in range(i, len(text)):
-        ch = text[j]
+def brackets(text: str, start: int = 0) -> Iterator[tuple[int, str]]:
+    """Where JSON text opens or closes an array or object, outside strings: (index, char), with
+    no recursion (a hostile text nests 100,000 deep)."""
+    in_string = escaped = False
+    for at in range(start, len(text)):
+        ch = text[at]
         if in_string:
             if escaped:
                 escaped = False
@@ -178,7 +175,20 @@ def json_block(text: str, start: int) -> str | None:
                 in_string = False
         elif ch == '"':
             in_string = True
-        elif ch == "{":
+        elif ch in "[]{}":
+            yield at, ch
+
+
+def json_block(text: str, start: int) -> str | None:
+    """The balanced ``{...}`` that starts after `start` (skipping blanks), or None."""
+    i = start
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    if i >= len(text) or text[i] != "{":
+        return None
+    depth = 0
+    for j, ch in brackets(text, i):
+        if ch == "{":
             depth += 1
         elif ch == "}":
             depth -= 1
