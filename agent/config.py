@@ -57,6 +57,7 @@ LIMITS = (
     "max_active",
     "queue_capacity",
     "max_pending_events",
+    "consumer_stall_s",
     "drain_timeout_s",
     "reload_drain_s",
     "max_tokens",
@@ -110,6 +111,8 @@ class LimitsConfig:
     max_active: int = 4
     queue_capacity: int = 16
     max_pending_events: int = 64
+    # a paused stream whose client read nothing for this long is cancelled (frees its slot)
+    consumer_stall_s: float = 60.0
     # SIGTERM: running requests may go on this long, then are cut (CANCELLED, their tokens so
     # far); waiting ones are refused at once
     drain_timeout_s: float = 5.0
@@ -288,6 +291,9 @@ def parse_config(data: Mapping[str, object], source: str) -> AgentConfig:
             max_pending_events=lt.integer(
                 "max_pending_events", 1, 65536, d.limits.max_pending_events
             ),
+            consumer_stall_s=lt.number("consumer_stall_s", 0.1, 86400)
+            if "consumer_stall_s" in lt.raw
+            else d.limits.consumer_stall_s,
             drain_timeout_s=lt.number("drain_timeout_s", 0, 3600)
             if "drain_timeout_s" in lt.raw
             else d.limits.drain_timeout_s,

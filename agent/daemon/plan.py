@@ -127,6 +127,7 @@ def engine_limits(config: AgentConfig) -> EngineLimits:
         if q.session_bytes_per_client is not None or not whole
         else 1 << 62,
         waiting_per_client=q.waiting_per_client or (lim.queue_capacity if whole else None),
+        consumer_stall_s=lim.consumer_stall_s,
     )
 
 

@@ -296,10 +296,19 @@ class Engine(SessionCalls, Stopping):
         self._tally.totals["failed"] += 1
         p.handle.emit(TokenEvent("", finish_reason="error", stats=unstarted_stats(p), error=error))
 
-    @staticmethod
-    def _ready(p: Prepared) -> bool:
-        """Its consumer keeps up, or it is about to end (cancelled, past its deadline)."""
+    def _ready(self, p: Prepared) -> bool:
+        """Its consumer keeps up, or it is about to end (cancelled, past its deadline, or its
+        consumer stopped reading for `limits.consumer_stall_s`: then it is cancelled, and its
+        slot goes to another request)."""
         if p.handle.cancel_event.is_set() or p.handle.can_emit():
+            return True
+        if p.handle.stalled_for() > self.limits.consumer_stall_s:
+            log.warning(
+                "request %s: its client read nothing for %.0f s; cancelled",
+                p.handle.id,
+                self.limits.consumer_stall_s,
+            )
+            p.handle.cancel()
             return True
         return p.deadline is not None and time.monotonic() > p.deadline
 

@@ -57,6 +57,7 @@ class RequestHandle:
         self._held_text: list[str] = []  # engine thread only, like `emit`
         self._held_ids: list[int] = []
         self._sent_at: float | None = None  # when tokens last went out; None: not yet
+        self._blocked_at: float | None = None  # since when its consumer has left it paused
 
     def cancel(self) -> None:
         """Stop the request at its next step (within one token)."""
@@ -66,10 +67,21 @@ class RequestHandle:
         """The consumer took `n` events off its queue."""
         with self._lock:
             self._pending -= n
+            self._blocked_at = None
 
     def can_emit(self) -> bool:
         with self._lock:
-            return self._pending < self._max_pending
+            if self._pending < self._max_pending:
+                return True
+            if self._blocked_at is None:
+                self._blocked_at = time.monotonic()
+            return False
+
+    def stalled_for(self) -> float:
+        """Seconds since its consumer last read while it waits paused (0: not paused)."""
+        with self._lock:
+            at = self._blocked_at
+        return 0.0 if at is None else time.monotonic() - at
 
     def emit(self, event: TokenEvent) -> bool:
         """Pass an event on towards the sink (engine thread); True when the sink got one,

@@ -32,6 +32,9 @@ class EngineLimits:
     sessions_per_client: int | None = None
     session_bytes_per_client: int | None = None  # host + disk tier bytes of its sessions
     waiting_per_client: int | None = None
+    # a paused request whose consumer has read nothing for this long is cancelled: a client
+    # that stops reading must not hold a running slot (and so other clients) forever
+    consumer_stall_s: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)
