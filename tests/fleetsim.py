@@ -470,6 +470,9 @@ class SimEngine:
             raise AgentError(problem)
         if self._sim.activate_s:
             await asyncio.sleep(self._sim.activate_s)  # "loading"
+        if self._rt.spec.device_id in self._sim.held:  # the test keeps its wave open
+            while not self._sim._released.is_set():
+                await asyncio.sleep(0.05)
         self.serving = ref
         self._name = load_model_dir(Path(ref.model_dir)).name
 
@@ -588,6 +591,8 @@ class FleetSim:
         self.root = root
         self.prefix = prefix
         self.activate_s = activate_s
+        self.held: frozenset[str] = frozenset()  # devices whose activation waits for release()
+        self._released = threading.Event()
         self.tick_s = tick_s
         self.batch = batch
         self.shipped = shipped if isinstance(shipped, ModelRef) else model_ref(shipped)
@@ -693,6 +698,15 @@ class FleetSim:
         deadline = time.monotonic() + timeout_s
         self._call(self._boot(rt), deadline)
         self._wait_born([rt], deadline)
+
+    def hold(self, device_ids: Sequence[str]) -> None:
+        """These devices' updates wait before activating until `release()`: a wave that
+        offered one of them cannot end, however slow or fast the rest of the fleet is."""
+        self.held = frozenset(device_ids)
+        self._released.clear()
+
+    def release(self) -> None:
+        self._released.set()
 
     def offers(self, device_id: str) -> int:
         """How many `update` commands this device has received (across restarts)."""

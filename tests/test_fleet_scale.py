@@ -134,15 +134,21 @@ def test_a_rollout_to_1000_devices_completes_in_its_waves_and_late_devices_join_
     argv = rollout(broker, config, tmp_path / "rollouts", "start", str(bundle), "--target", "all",
                    "--waves", "1%,10%,50%,100%", "--soak", "1s", "--wave-timeout", "120s",
                    "--id", rid)  # fmt: skip
+    first_two = sum(wave_sizes(len(ids))[:2])
+    wave_3 = plan.ordered(rid, ids)[first_two : sum(wave_sizes(len(ids))[:3])]
     with fleet(broker, models, root, devices) as sim:
+        # the last device of wave 3 does not activate until the newcomers have their places:
+        # wave 3 is still running when they come, however slow or fast this machine is
+        sim.hold([wave_3[-1]])
         proc = subprocess.Popen(argv, cwd=ROOT, env=_env(), text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
         try:
-            # wave 3 (50%) has started: its 398 offers go out at once, then it runs ~15 s
-            first_two = sum(wave_sizes(len(ids))[:2])
+            # wave 3 (50%) has started: its 398 offers go out at once
             wait_for("wave 3 offered", lambda: sum(sim.offers(d) for d in ids) > first_two)
             for d in late:  # each joins the fleet (a first birth) while wave 3 runs
-                sim.come_online(d)
+                sim.come_online(d, timeout_s=120)
+            wait_for("two newcomers offered", lambda: all(sim.offers(d) for d in late[:2]))
+            sim.release()
             out, err = proc.communicate(timeout=240)
         finally:
             proc.kill()
