@@ -51,6 +51,8 @@ SERVER = (
     "allow_remote_tcp",
     "max_message_bytes",
     "stream_interval_ms",
+    "handshake_timeout_s",
+    "idle_timeout_s",
 )
 LIMITS = (
     "max_sessions",
@@ -104,6 +106,9 @@ class ServerConfig:
     allow_remote_tcp: bool = False
     max_message_bytes: int = 1 << 20
     stream_interval_ms: int = 50  # a stream's messages at most this often (first and last: at once)
+    # a connection that has not finished its HTTP/2 handshake by then is closed (slowloris)
+    handshake_timeout_s: float = 10.0
+    idle_timeout_s: float = 300.0  # a connection with no call for this long is closed
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +286,12 @@ def parse_config(data: Mapping[str, object], source: str) -> AgentConfig:
             stream_interval_ms=s.integer(
                 "stream_interval_ms", 0, 1000, d.server.stream_interval_ms
             ),
+            handshake_timeout_s=s.number("handshake_timeout_s", 0.1, 600)
+            if "handshake_timeout_s" in s.raw
+            else d.server.handshake_timeout_s,
+            idle_timeout_s=s.number("idle_timeout_s", 1, 86400)
+            if "idle_timeout_s" in s.raw
+            else d.server.idle_timeout_s,
         )
     lt = top.table("limits", LIMITS, required=False)
     limits = d.limits

@@ -34,6 +34,10 @@ class Server:
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            # a connection that never completes its handshake, or idles, does not hold a
+            # descriptor for ever (gRPC's defaults: 120 s, and never)
+            ("grpc.server_handshake_timeout_ms", int(config.handshake_timeout_s * 1000)),
+            ("grpc.max_connection_idle_ms", int(config.idle_timeout_s * 1000)),
         ]
         self._server = grpc.aio.server(options=opts)
         self._server.add_generic_rpc_handlers((handlers(AgentService(backend, max_tokens_limit)),))
