@@ -295,6 +295,13 @@ def test_a_constraint_failing_while_it_generates_is_one_line_not_a_traceback(
     r = post(daemon, http_body("response_format", "regex", r"[a-z]{2}\{"))
     assert r.status_code == 400, r.text  # the request's fault: it was a 500
     assert "the grammar needs '{' next" in r.json()["error"]["message"], r.text
+    # streamed: the 200 has gone out, so the error is the last event, typed as the client's
+    streamed = post(daemon, {**http_body("response_format", "regex", r"[a-z]{2}\{"),
+                             "stream": True})  # fmt: skip
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]  # fmt: skip
+    assert events and events[-1]["error"]["type"] == "invalid_request_error", streamed.text
+    assert "the grammar needs '{' next" in events[-1]["error"]["message"]
     still_serving(daemon)
 
 

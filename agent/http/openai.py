@@ -323,7 +323,14 @@ class Api:
                 note = _cut_note(event)
                 if end is not None and end not in replies.FINISH:
                     why = event.error or "no reason given"
-                    yield _sse(error_body(f"generation {end}: {why}", "server_error"))
+                    # the request's own grammar failed it: the client's error, as a whole
+                    # answer's 400 says; anything else is the daemon's
+                    kind = (
+                        "invalid_request_error"
+                        if why.startswith(ConstraintFailed.PREFIX)
+                        else "server_error"
+                    )
+                    yield _sse(error_body(f"generation {end}: {why}", kind))
                     return
                 if chat and tool_parse:
                     held.append(event.text)
