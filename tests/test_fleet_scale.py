@@ -82,7 +82,7 @@ def rollout(broker: Mosquitto, config: Path, store: Path, *args: str) -> list[st
     return [sys.executable, "-m", "agent", "fleet", "rollout", *args, "--json", *conn]
 
 
-def run(argv: list[str], timeout: float = 240) -> dict:  # type: ignore[type-arg]
+def run(argv: list[str], timeout: float = 900) -> dict:  # type: ignore[type-arg]
     done = subprocess.run(
         argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=_env()
     )
@@ -132,7 +132,7 @@ def test_a_rollout_to_1000_devices_completes_in_its_waves_and_late_devices_join_
     devices = [SimDevice(d) for d in ids] + [SimDevice(d, start_online=False) for d in late]
     bundle = models.bundle(tmp_path / "u1.tar", version=1)
     argv = rollout(broker, config, tmp_path / "rollouts", "start", str(bundle), "--target", "all",
-                   "--waves", "1%,10%,50%,100%", "--soak", "1s", "--wave-timeout", "120s",
+                   "--waves", "1%,10%,50%,100%", "--soak", "1s", "--wave-timeout", "600s",
                    "--id", rid)  # fmt: skip
     first_two = sum(wave_sizes(len(ids))[:2])
     wave_3 = plan.ordered(rid, ids)[first_two : sum(wave_sizes(len(ids))[:3])]
@@ -149,7 +149,7 @@ def test_a_rollout_to_1000_devices_completes_in_its_waves_and_late_devices_join_
                 sim.come_online(d, timeout_s=120)
             wait_for("two newcomers offered", lambda: all(sim.offers(d) for d in late[:2]))
             sim.release()
-            out, err = proc.communicate(timeout=240)
+            out, err = proc.communicate(timeout=900)
         finally:
             proc.kill()
             proc.wait()
@@ -246,7 +246,7 @@ def test_an_operator_killed_mid_rollout_resumes_and_offers_no_device_twice(
     bundle = models.bundle(tmp_path / "u1.tar", version=1)
     store = tmp_path / "rollouts"
     argv = rollout(broker, config, store, "start", str(bundle), "--target", "all",
-                   "--waves", "1%,10%,50%,100%", "--soak", "1s", "--wave-timeout", "120s",
+                   "--waves", "1%,10%,50%,100%", "--soak", "1s", "--wave-timeout", "600s",
                    "--id", rid)  # fmt: skip
     with fleet(broker, models, root, [SimDevice(d) for d in ids]) as sim:
         proc = subprocess.Popen(argv, cwd=ROOT, env=_env(), text=True,

@@ -10,6 +10,7 @@ from agent.errors import (
     AgentError,
     BudgetError,
     ConfigError,
+    ConstraintFailed,
     ContextOverflow,
     InvalidRequest,
     ModelFormatError,
@@ -63,6 +64,12 @@ def error_body(
     message: str, kind: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def failure_kind(error: str) -> str:
+    """The error type of a stream's last event, from the engine's error text: the request's
+    own grammar failing it is the client's (as a whole answer's 400 says), the rest ours."""
+    return "invalid_request_error" if error.startswith(ConstraintFailed.PREFIX) else "server_error"
 
 
 def describe(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:

@@ -38,7 +38,7 @@ from agent.engine.types import TokenEvent
 from agent.errors import AgentError, ConstraintFailed, Overloaded, Unavailable
 from agent.http import body as json_body
 from agent.http import convert, faults, replies
-from agent.http.errors import HttpError, describe, error_body
+from agent.http.errors import HttpError, describe, error_body, failure_kind
 from agent.rpc.identity import owner_of
 
 log = logging.getLogger("agent.http")
@@ -323,14 +323,7 @@ class Api:
                 note = _cut_note(event)
                 if end is not None and end not in replies.FINISH:
                     why = event.error or "no reason given"
-                    # the request's own grammar failed it: the client's error, as a whole
-                    # answer's 400 says; anything else is the daemon's
-                    kind = (
-                        "invalid_request_error"
-                        if why.startswith(ConstraintFailed.PREFIX)
-                        else "server_error"
-                    )
-                    yield _sse(error_body(f"generation {end}: {why}", kind))
+                    yield _sse(error_body(f"generation {end}: {why}", failure_kind(why)))
                     return
                 if chat and tool_parse:
                     held.append(event.text)
