@@ -553,6 +553,9 @@ def test_a_json_agent_is_read_by_stock_tools_watched_sent_commands_and_updated(
         )
     try:
         op = operator_config(tmp_path, broker, "json")
+        # the agent's health is on the broker (retained) before the watch reads it: the
+        # birth comes first, and on a loaded machine the watch could run in between
+        rec.wait(lambda g: g.topic == Topics(PREFIX, "dev-j").health and g.payload, 60)
         # watched and sent commands by the operator tools, in JSON both ways
         r = cli("fleet", "watch", "--json", "--config", str(op), "--settle", "0.5")
         assert r.returncode == 0, r.stderr
@@ -711,6 +714,7 @@ def test_mqtt_311_a_json_agent_and_a_protobuf_operator_read_each_other(
         r = cli("fleet", "send", "dev-q", "status", "--config", str(op), "--json")
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["status"]["device_id"] == "dev-q"
+        rec.wait(lambda g: g.topic == Topics(PREFIX, "dev-q").health and g.payload, 60)
         r = cli("fleet", "watch", "--json", "--config", str(op), "--settle", "0.5")
         (row,) = json.loads(r.stdout)
         assert row["device"] == "dev-q" and row["state"] == "online" and row["health"], row
