@@ -22,7 +22,6 @@ next in the queue. The stop ends the stall.
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import threading
 import time
@@ -35,11 +34,11 @@ import httpx
 import openai
 import pytest
 
-from agent.modeldir import demo_model_dir, load_model_dir
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from agent.pb.edge_agent.v1 import agent_pb2_grpc as pb_grpc
 from agent.rpc.client import build_request
 from tests.daemon_harness import Daemon
+from tests.endless import endless_model_dir
 
 PROMPT = "import os\n"
 N = 1000  # the demo model's context is 1024: the answer runs to the end, it cannot stop early
@@ -51,21 +50,6 @@ CONFIG = (
 ONE_BYTE_WINDOW = [("grpc.http2.lookahead_bytes", 1), ("grpc.http2.bdp_probe", 0)]
 BODY: dict[str, Any] = {"model": "demo", "prompt": PROMPT, "max_tokens": N, "temperature": 0}
 OFF = {"speculation": "off"}  # plain decoding: the answer takes its longest
-
-
-def endless_model_dir(dest: Path) -> Path:
-    """The demo model copied into `dest` without any stop token."""
-    src = demo_model_dir()
-    dest.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and f.name != "metadata.json":
-            shutil.copyfile(f, dest / f.name)
-    meta = json.loads((src / "metadata.json").read_text())
-    meta["eos_id"] = None
-    meta["stop_token_ids"] = []
-    (dest / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
-    assert not load_model_dir(dest).stop_ids
-    return dest
 
 
 def greedy() -> pb.GenerateRequest:

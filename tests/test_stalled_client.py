@@ -13,7 +13,8 @@ import grpc
 from agent.pb.edge_agent.v1 import agent_pb2_grpc as pb_grpc
 from agent.rpc.client import build_request
 from tests.daemon_harness import Daemon
-from tests.test_drain import ONE_BYTE_WINDOW, endless_model_dir
+from tests.endless import endless_model_dir
+from tests.test_drain import ONE_BYTE_WINDOW
 
 CONFIG = (
     "[limits]\nmax_active = 1\nmax_pending_events = 2\nconsumer_stall_s = 1\n"
