@@ -286,12 +286,10 @@ def parse_config(data: Mapping[str, object], source: str) -> AgentConfig:
             stream_interval_ms=s.integer(
                 "stream_interval_ms", 0, 1000, d.server.stream_interval_ms
             ),
-            handshake_timeout_s=s.number("handshake_timeout_s", 0.1, 600)
-            if "handshake_timeout_s" in s.raw
-            else d.server.handshake_timeout_s,
-            idle_timeout_s=s.number("idle_timeout_s", 1, 86400)
-            if "idle_timeout_s" in s.raw
-            else d.server.idle_timeout_s,
+            handshake_timeout_s=s.number(
+                "handshake_timeout_s", 0.1, 600, default=d.server.handshake_timeout_s
+            ),
+            idle_timeout_s=s.number("idle_timeout_s", 1, 86400, default=d.server.idle_timeout_s),
         )
     lt = top.table("limits", LIMITS, required=False)
     limits = d.limits
@@ -302,15 +300,11 @@ def parse_config(data: Mapping[str, object], source: str) -> AgentConfig:
             max_pending_events=lt.integer(
                 "max_pending_events", 1, 65536, d.limits.max_pending_events
             ),
-            consumer_stall_s=lt.number("consumer_stall_s", 0.1, 86400)
-            if "consumer_stall_s" in lt.raw
-            else d.limits.consumer_stall_s,
-            drain_timeout_s=lt.number("drain_timeout_s", 0, 3600)
-            if "drain_timeout_s" in lt.raw
-            else d.limits.drain_timeout_s,
-            reload_drain_s=lt.number("reload_drain_s", 0, 3600)
-            if "reload_drain_s" in lt.raw
-            else d.limits.reload_drain_s,
+            consumer_stall_s=lt.number(
+                "consumer_stall_s", 0.1, 86400, default=d.limits.consumer_stall_s
+            ),
+            drain_timeout_s=lt.number("drain_timeout_s", 0, 3600, default=d.limits.drain_timeout_s),
+            reload_drain_s=lt.number("reload_drain_s", 0, 3600, default=d.limits.reload_drain_s),
             max_tokens=lt.integer("max_tokens", 1, 1 << 20, d.limits.max_tokens),
             max_sessions=lt.integer("max_sessions", 0, 4096, d.limits.max_sessions),
         )
@@ -331,10 +325,8 @@ def parse_config(data: Mapping[str, object], source: str) -> AgentConfig:
     watchdog = d.watchdog
     if w is not None:
         watchdog = WatchdogConfig(
-            engine_stall_s=w.number("engine_stall_s", 0.5, 3600, lo_open=False)
-            if "engine_stall_s" in w.raw
-            else d.watchdog.engine_stall_s,
-            tick_s=w.number("tick_s", 0.05, 60) if "tick_s" in w.raw else d.watchdog.tick_s,
+            engine_stall_s=w.number("engine_stall_s", 0.5, 3600, default=d.watchdog.engine_stall_s),
+            tick_s=w.number("tick_s", 0.05, 60, default=d.watchdog.tick_s),
         )
     st = top.table("sessions", SESSIONS, required=False)
     sessions = d.sessions

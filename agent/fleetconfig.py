@@ -121,12 +121,10 @@ def parse_fleet(t: Table, source: str) -> FleetConfig:
         topic_prefix=prefix,
         keepalive_s=t.integer("keepalive_s", 5, 3600, d.keepalive_s),
         session_expiry_s=t.integer("session_expiry_s", 0, 7 * 24 * 3600, d.session_expiry_s),
-        health_interval_s=t.number("health_interval_s", 1, 86400)
-        if "health_interval_s" in t.raw
-        else d.health_interval_s,
-        health_min_interval_s=t.number("health_min_interval_s", 0.1, 3600)
-        if "health_min_interval_s" in t.raw
-        else d.health_min_interval_s,
+        health_interval_s=t.number("health_interval_s", 1, 86400, default=d.health_interval_s),
+        health_min_interval_s=t.number(
+            "health_min_interval_s", 0.1, 3600, default=d.health_min_interval_s
+        ),
         max_command_bytes=t.size("max_command_bytes", 1024, 64 << 20, d.max_command_bytes),
         max_events=t.integer("max_events", 1, 1_000_000, d.max_events),
         group=_fleet_group(t),

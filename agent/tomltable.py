@@ -97,7 +97,18 @@ class Table:
         )
         return self._int_in(name, lo, hi, default, allowed)
 
-    def number(self, name: str, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    def number(
+        self,
+        name: str,
+        lo: float,
+        hi: float,
+        *,
+        lo_open: bool = False,
+        default: float | None = None,
+    ) -> float:
+        """A number in range; `default` when the key is absent (else the key is required)."""
+        if default is not None and name not in self.raw:
+            return default
         lower = f"greater than {lo:g}" if lo_open else f"from {lo:g}"
         upper = f"and at most {hi:g}" if lo_open else f"to {hi:g}"
         allowed = f"a number {lower} {upper}"
