@@ -36,8 +36,11 @@ Behaviours (failure injection, per device):
 * ``stall``: the download never progresses: its block requests go unanswered (MQTT), or the
   transfer hangs (a payload URL), until the updater gives up (`max_download_attempts`, code
   `payload`) or the update is cancelled.
-* ``offline``: goes away when offered: the connection drops without a DISCONNECT, the broker
-  publishes its Last Will (``LOST``), the command is never answered.
+* ``offline``: goes away on its first offer, before acknowledging it: the connection drops
+  without a DISCONNECT (inside paho's message callback, so the PUBACK never leaves), the broker
+  publishes its Last Will (``LOST``), the command is never answered. Brought back with
+  `FleetSim.come_online`, its persistent session gets the unacknowledged offer again, and that
+  second delivery is handled as an ``ok`` device would.
 * ``fail``: the payload arrives corrupted (a byte flipped in every block over MQTT; with a
   payload URL, a damaged partial file): rejected after the download with `payload_hash`.
 
@@ -354,6 +357,7 @@ class _Runtime:
     updater: Updater | None = None
     engine: SimEngine | None = None
     hung: list[asyncio.Future[None]] = dataclasses.field(default_factory=list)
+    vanished: bool = False  # an ``offline`` device has gone away on its first offer
 
 
 class SimEngine:
@@ -439,12 +443,6 @@ class SimEngine:
 
     async def offer_update(self, signed: bytes) -> fpb.UpdateStatus:
         self._rt.offers += 1
-        if self._rt.spec.behaviour == "offline":
-            log.info("fleetsim: %s goes away on the offer", self._rt.spec.device_id)
-            hang: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._rt.hung.append(hang)
-            self._sim._power_cut_soon(self._rt)
-            await hang  # never answered: the device is gone
         return await self._updater.offer(signed)
 
     async def cancel_update(self, signed: bytes) -> fpb.UpdateStatus:
@@ -761,6 +759,8 @@ class FleetSim:
         )
         engine.fleet = agent
         rt.agent, rt.updater, rt.engine = agent, updater, engine
+        if spec.behaviour == "offline" and not rt.vanished:
+            self._vanish_on_offer(rt, agent.link)
         agent.start()
         rt.online = True
         updater.blocks = self._blocks(spec.behaviour, agent.link)
@@ -837,6 +837,31 @@ class FleetSim:
         if self._stopping.wait(RESTART_S):
             return
         self._call(self._boot(rt), time.monotonic() + 30)
+
+    def _vanish_on_offer(self, rt: _Runtime, link: FleetLink) -> None:
+        """An ``offline`` device loses power on its first offer, inside paho's message
+        callback: the socket is shut before the callback returns, so the PUBACK paho queues
+        after it can never reach the broker (the offer stays unacknowledged in the session,
+        whatever the machine's load), and the link's thread is ended from a worker."""
+        client = link._client
+        deliver = client.on_message
+        offer = link.topics.command("update")
+
+        def on_message(c: Any, userdata: Any, msg: Any) -> None:
+            if msg.topic != offer or rt.vanished:
+                deliver(c, userdata, msg)
+                return
+            rt.vanished = True
+            rt.offers += 1
+            log.info("fleetsim: %s goes away on the offer", rt.spec.device_id)
+            link._stop.set()
+            sock = client.socket()
+            if isinstance(sock, socket.socket):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            self._power_cut_soon(rt)
+
+        client.on_message = on_message
 
     def _power_cut_soon(self, rt: _Runtime) -> None:
         """From the event loop: cut the device's power from a worker thread."""
