@@ -845,6 +845,7 @@ class FleetSim:
         whatever the machine's load), and the link's thread is ended from a worker."""
         client = link._client
         deliver = client.on_message
+        assert deliver is not None  # the link's own callback
         offer = link.topics.command("update")
 
         def on_message(c: Any, userdata: Any, msg: Any) -> None:
