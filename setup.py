@@ -5,7 +5,7 @@ Generation runs before `setup()` so that `agent.pb.*` exists when packages are d
 wheels and editable installs alike. Nothing generated is committed.
 
 `build_py` copies ``firmware_profiles/``, ``systemd/`` and ``proto/`` (top-level in the checkout,
-where the docs name them) to ``agent/data/`` in the build, where `agent.shipped` finds them in an
+where the docs name them) to ``agent/data/`` in the build, where `agent.base.shipped` finds them in an
 installed wheel through `importlib.resources`. An editable install reads the checkout's own
 files instead, so nothing is copied for one.
 """

@@ -16,7 +16,7 @@ import signal
 import sys
 from types import FrameType
 
-INTERRUPTED = 130  # agent.exitcodes.INTERRUPTED, without importing anything yet
+INTERRUPTED = 130  # agent.base.exitcodes.INTERRUPTED, without importing anything yet
 
 
 def quiet_exit(signum: int, frame: FrameType | None) -> None:

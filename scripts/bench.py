@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from agent.engine.engine import Engine  # noqa: E402
 from agent.engine.sampler import SamplingParams  # noqa: E402
 from agent.engine.types import GenerateRequest  # noqa: E402
-from agent.modeldir import demo_model_dir, load_model_dir  # noqa: E402
+from agent.model.directory import demo_model_dir, load_model_dir  # noqa: E402
 from agent.profile import resolve_profile  # noqa: E402
 from scripts._report import bench_args, fmt, med, section_name, write_section  # noqa: E402
 

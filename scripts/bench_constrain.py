@@ -28,13 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
-from agent.engine.constrain import ConstraintCompiler
+from agent.constraint.compiler import ConstraintCompiler
+from agent.constraint.types import Constraint
 from agent.engine.engine import Engine
 from agent.engine.sampler import SamplingParams
-from agent.engine.types import Constraint, GenerateRequest
-from agent.modeldir import demo_model_dir
+from agent.engine.types import GenerateRequest
+from agent.model.directory import demo_model_dir
 from agent.profile import resolve_profile
-from agent.runtime.tokenizer import Tokenizer
+from agent.tokenizer.base import Tokenizer
 from scripts._report import ROOT, bench_args, fmt, med, write_section
 
 SMOLLM = ROOT / ".cache" / "models" / "smollm-kv1024"

@@ -7,7 +7,7 @@ now (issue 32 item 1). Writes the `constraint-safety` section of docs/PERFORMANC
    a thread made with the compile worker's stack (`STACK_BYTES`), bisected in subprocesses.
 2. The balloons, compiled by llguidance alone in a fresh process each: compile + first mask
    time, peak RSS growth (ru_maxrss), and whether the first token is taken. Beside each, what
-   `agent.engine.constraint_limits` takes to refuse it.
+   `agent.constraint.limits` takes to refuse it.
 3. A real daemon on the demo model: RSS (GetStatus) before and after twelve balloon requests
    over HTTP, each refused; and the size the grammar cache counted for a few ordinary
    constraints (the compile log line), i.e. the RSS growth while each compiled.
@@ -32,10 +32,10 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from agent.engine.constraint_compile import STACK_BYTES  # noqa: E402
-from agent.engine.constraint_limits import check_lark, check_pattern, check_schema  # noqa: E402
-from agent.errors import InvalidRequest  # noqa: E402
-from agent.shipped import demo_model  # noqa: E402
+from agent.base.errors import InvalidRequest  # noqa: E402
+from agent.base.shipped import demo_model  # noqa: E402
+from agent.constraint.limits import check_lark, check_pattern, check_schema  # noqa: E402
+from agent.constraint.worker import STACK_BYTES  # noqa: E402
 from scripts._report import write_section  # noqa: E402
 from tests.daemon_harness import Daemon  # noqa: E402
 

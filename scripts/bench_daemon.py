@@ -33,12 +33,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from agent.api.grpc.client import Client, build_request  # noqa: E402
 from agent.engine.engine import Engine  # noqa: E402
 from agent.engine.sampler import SamplingParams  # noqa: E402
 from agent.engine.types import GenerateRequest  # noqa: E402
-from agent.modeldir import demo_model_dir  # noqa: E402
+from agent.model.directory import demo_model_dir  # noqa: E402
 from agent.profile import resolve_profile  # noqa: E402
-from agent.rpc.client import Client, build_request  # noqa: E402
 from scripts._report import bench_args, fmt, med, section_name, write_section  # noqa: E402
 from tests.daemon_harness import Daemon  # noqa: E402
 

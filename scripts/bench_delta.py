@@ -43,9 +43,9 @@ import bsdiff4  # noqa: E402
 import numpy as np  # noqa: E402
 from ai_edge_litert import schema_py_generated as schema  # noqa: E402
 
-from agent.modeldir import demo_model_dir, sha256_file  # noqa: E402
-from agent.ota.delta import diff_file  # noqa: E402
-from agent.ota.delta_regions import tflite_regions  # noqa: E402
+from agent.model.directory import demo_model_dir, sha256_file  # noqa: E402
+from agent.ota.delta.files import diff_file  # noqa: E402
+from agent.ota.delta.regions import tflite_regions  # noqa: E402
 
 MIB = 1 << 20
 ZSTD = "/usr/bin/zstd"
@@ -60,7 +60,7 @@ import gc, json, re, sys, time
 from pathlib import Path
 tool, base, patch, out = sys.argv[1:]
 if tool == "ours":
-    from agent.ota.delta import patch_file
+    from agent.ota.delta.files import patch_file
     run = lambda: patch_file(Path(base), Path(patch), Path(out))
 else:
     import bsdiff4

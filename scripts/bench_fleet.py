@@ -262,11 +262,11 @@ def publish_fleet(broker: Any, n: int) -> float:
 def redraw_ms(url: str, rounds: int) -> dict[str, float]:
     """The live `watch`'s cost per redraw at this size, in this process: the table of a
     160x40 terminal (`render`, sorting every device) and the inventory's rows, median ms."""
-    from agent.config import parse_broker
-    from agent.fleet.inventory import inventory
+    from agent.config.file import parse_broker
     from agent.fleet.mqtt import MqttOptions
-    from agent.fleet.operator import watch
-    from agent.fleet.render import render
+    from agent.operator.client import watch
+    from agent.operator.inventory import inventory
+    from agent.operator.render import render
 
     opts = MqttOptions(broker=parse_broker("bench", "broker", url))
     view = watch(opts, PREFIX, once=True, settle_s=1.0, timeout_s=60.0, out=None)

@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from agent.http.faults import GATE_ENV  # noqa: E402
-from agent.modeldir import demo_model_dir  # noqa: E402
+from agent.api.http.faults import GATE_ENV  # noqa: E402
+from agent.model.directory import demo_model_dir  # noqa: E402
 from scripts._report import bench_args, fmt, med, write_section  # noqa: E402
 from tests.daemon_harness import Daemon  # noqa: E402
 

@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
-from agent.modeldir import demo_model_dir  # noqa: E402
-from agent.rpc.client import build_request  # noqa: E402
+from agent.api.grpc.client import build_request  # noqa: E402
+from agent.model.directory import demo_model_dir  # noqa: E402
 from scripts._report import bench_args, fmt, med, section_name, write_section  # noqa: E402
 from tests.daemon_harness import Daemon  # noqa: E402
 

@@ -67,7 +67,7 @@ def engine_rates(tokens: int, rounds: int) -> dict[str, dict[str, float]] | None
     """Greedy decode tok/s on the demo model, penalties off and all on (None: no model)."""
     from agent.engine.engine import Engine
     from agent.engine.types import GenerateRequest
-    from agent.modeldir import demo_model_dir
+    from agent.model.directory import demo_model_dir
     from agent.profile import resolve_profile
 
     model = demo_model_dir()

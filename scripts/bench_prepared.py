@@ -25,12 +25,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.modeldir import demo_model_dir, load_model_dir
+from agent.model.directory import demo_model_dir, load_model_dir
+from agent.model.tflite.file import read_model_file
+from agent.model.tflite.layout import discover_layout
 from agent.profile import DeviceProfile, resolve_profile
-from agent.runtime import check, inline, litert
+from agent.runtime import litert
 from agent.runtime.interpreter import InterpreterRunner
-from agent.runtime.layout import discover_layout
-from agent.runtime.modelfile import read_model_file
+from agent.runtime.prepare import check, inline
 from scripts._report import ROOT, bench_args, fmt, med, write_section
 
 SMOLLM = ROOT / ".cache" / "models" / "smollm-kv1024"

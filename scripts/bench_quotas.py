@@ -32,10 +32,10 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
+from agent.api.grpc.client import Client, build_request  # noqa: E402
 from agent.engine.scheduler import Scheduler  # noqa: E402
 from agent.kv.quota import Holding, fair_victims  # noqa: E402
-from agent.modeldir import demo_model_dir  # noqa: E402
-from agent.rpc.client import Client, build_request  # noqa: E402
+from agent.model.directory import demo_model_dir  # noqa: E402
 from scripts._report import bench_args, fmt, med, write_section  # noqa: E402
 from tests.daemon_harness import Daemon  # noqa: E402
 

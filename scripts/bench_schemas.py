@@ -35,15 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
-import agent.engine.constrain as constrain
-from agent.engine.constrain import ConstraintCompiler
-from agent.engine.json_keys import check_output
+import agent.constraint.compiler as constrain
+from agent.base.errors import AgentError
+from agent.constraint.compiler import ConstraintCompiler
+from agent.constraint.json_keys import check_output
+from agent.constraint.schema_rewrite import Rewritten
+from agent.constraint.types import Constraint
 from agent.engine.sampler import Sampler, SamplingParams
-from agent.engine.schema_rewrite import Rewritten
-from agent.engine.types import Constraint
-from agent.errors import AgentError
-from agent.runtime.tokenizer import Tokenizer
-from agent.runtime.tokenizer_load import load_tokenizer
+from agent.tokenizer.base import Tokenizer
+from agent.tokenizer.load import load_tokenizer
 from scripts._report import ROOT, write_section
 
 SUITE = ROOT / "tests" / "fixtures" / "schemas" / "draft4"
@@ -306,7 +306,7 @@ def guard_cost(tok: Any) -> dict[str, Any]:
 def costs(vocab_dir: Path) -> dict[str, Any]:
     """The guard's cost on the SmolLM-shaped model's vocabulary (49152) where
     `scripts/bench_peer.py` built it, else the demo model's (4096), and on a synthetic one."""
-    from agent.modeldir import demo_model_dir
+    from agent.model.directory import demo_model_dir
 
     vocab_dir = vocab_dir if vocab_dir.exists() else demo_model_dir()
     path = vocab_dir / "tokenizer.json"

@@ -26,15 +26,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from agent.api.grpc.client import build_request  # noqa: E402
 from agent.engine.engine import Engine, EngineLimits  # noqa: E402
 from agent.engine.loading import estimate_memory  # noqa: E402
 from agent.engine.sampler import SamplingParams  # noqa: E402
 from agent.engine.types import GenerateRequest  # noqa: E402
-from agent.modeldir import demo_model_dir, load_model_dir  # noqa: E402
+from agent.model.directory import demo_model_dir, load_model_dir  # noqa: E402
+from agent.model.tflite.file import read_model_file  # noqa: E402
+from agent.model.tflite.layout import discover_layout  # noqa: E402
 from agent.profile import parse_profile, profiles_dir, resolve_profile  # noqa: E402
-from agent.rpc.client import build_request  # noqa: E402
-from agent.runtime.layout import discover_layout  # noqa: E402
-from agent.runtime.modelfile import read_model_file  # noqa: E402
 from scripts._report import bench_args, fmt, med, section_name, write_section  # noqa: E402
 from tests.daemon_harness import Daemon  # noqa: E402
 
@@ -195,7 +195,7 @@ def daemon_rss(model_dir: Path, quant: str, tmp: Path) -> dict[str, Any]:
 
 
 def history_text_for(model_dir: Path, n: int) -> str:
-    from agent.runtime.tokenizer_load import load_tokenizer
+    from agent.tokenizer.load import load_tokenizer
 
     tok = load_tokenizer(load_model_dir(model_dir).tokenizer_path)
     src = (ROOT / "agent" / "engine" / "engine.py").read_text()

@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from agent.modeldir import QUANTIZATIONS, load_model_dir, write_model_dir_metadata  # noqa: E402
+from agent.model.directory import QUANTIZATIONS, load_model_dir, write_model_dir_metadata  # noqa: E402
 from agent.toolchain import tokenizer as tk  # noqa: E402
 from agent.toolchain.config import PRESETS, TINY_SPEC, DecoderSpec  # noqa: E402
 

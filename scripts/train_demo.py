@@ -223,7 +223,7 @@ def stage_eval(work: Path, args: argparse.Namespace, log: Log) -> None:
 def stage_commit(work: Path, args: argparse.Namespace, log: Log) -> None:
     import shutil
 
-    from agent.modeldir import load_model_dir, write_model_dir_metadata
+    from agent.model.directory import load_model_dir, write_model_dir_metadata
 
     dest = args.dest
     dest.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from agent.rpc.client import Client
+from agent.api.grpc.client import Client
 
 
 class NotifyListener:

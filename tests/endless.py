@@ -15,7 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
-from agent.modeldir import demo_model_dir, load_model_dir
+from agent.model.directory import demo_model_dir, load_model_dir
 
 
 def endless_model_dir(dest: Path, source: Path | None = None) -> Path:

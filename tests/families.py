@@ -406,7 +406,7 @@ class FamilyFactory:
     def model_dir(self, combo: Combo, quantizations: Sequence[str] = QUANTIZATIONS) -> Path:
         """A model directory with the combo's variants and the tiny SentencePiece tokenizer.
         No eos or stop ids: a generation runs to its max_tokens, so every token is compared."""
-        from agent.modeldir import write_model_dir_metadata
+        from agent.model.directory import write_model_dir_metadata
         from agent.toolchain.tokenizer import BOS_ID
 
         d = self.root / f"dir_{combo.stem}_{'-'.join(quantizations)}"

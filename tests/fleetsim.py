@@ -73,27 +73,32 @@ from pathlib import Path
 from typing import Any, Final
 
 import paho.mqtt.client as mqtt
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf.message import DecodeError
 
 from agent import __version__
-from agent.config import FleetConfig, UpdatesConfig, parse_broker
+from agent.base.errors import AgentError
+from agent.config.file import FleetConfig, UpdatesConfig, parse_broker
 from agent.engine.stats import EngineStats, ModelInfo, Percentiles
-from agent.errors import AgentError
-from agent.fleet.agent import FleetAgent
-from agent.fleet.link import FleetLink
+from agent.fleet.device.agent import FleetAgent
+from agent.fleet.device.link import FleetLink
 from agent.fleet.mqtt import MqttOptions, new_client
-from agent.modeldir import defining_files, load_model_dir, model_digest, write_model_dir_metadata
-from agent.ota import keys
-from agent.ota.bundle import make_bundle
+from agent.model.directory import (
+    defining_files,
+    load_model_dir,
+    model_digest,
+    write_model_dir_metadata,
+)
+from agent.ota.artifact import keys
+from agent.ota.artifact.bundle import make_bundle
+from agent.ota.artifact.manifest import InstallContext
 from agent.ota.fetch import BlockSource
-from agent.ota.manifest import InstallContext
 from agent.ota.store import ModelRef, Store
 from agent.ota.updater import Updater
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
-from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from agent.runtime.plan import MemoryPlan
-from agent.status import AgentStatus
+from agent.status.value import AgentStatus
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +167,7 @@ def make_model_dir(
 
 @functools.lru_cache(maxsize=64)
 def _digest_of(model_dir: str) -> str:
-    """What a real engine reports (`agent.modeldir.model_digest`), once per directory."""
+    """What a real engine reports (`agent.model.directory.model_digest`), once per directory."""
     return model_digest(defining_files(load_model_dir(Path(model_dir))))
 
 

@@ -27,10 +27,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from agent.engine.chat import ChatTemplate, chat_ids, render_chat, template_for
-from agent.engine.types import ChatMessage, Tool, ToolCall
-from agent.modeldir import demo_model_dir, load_model_dir
-from agent.runtime.tokenizer_load import load_tokenizer
+from agent.chat.template import ChatTemplate, chat_ids, render_chat, template_for
+from agent.chat.types import ChatMessage, Tool, ToolCall
+from agent.model.directory import demo_model_dir, load_model_dir
+from agent.tokenizer.load import load_tokenizer
 from tests.daemon_harness import Daemon
 from tests.test_client_dist import site, wheel  # noqa: F401  (the client's wheel, installed)
 

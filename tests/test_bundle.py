@@ -18,24 +18,25 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from agent.cli.common import parse_duration
 from agent.cli.update import add_keys_parser, add_update_parser
-from agent.modeldir import (
+from agent.model.directory import (
     ModelMeta,
     demo_model_dir,
     load_model_dir,
     sha256_file,
     write_model_dir_metadata,
 )
-from agent.ota import delta, keys
-from agent.ota.bundle import (
+from agent.ota.artifact import keys
+from agent.ota.artifact.bundle import (
     MANIFEST_MEMBER,
     PAYLOAD_MEMBER,
     BundleError,
     make_bundle,
     read_bundle,
 )
+from agent.ota.artifact.manifest import DELTA_FORMAT, InstallContext, check
+from agent.ota.artifact.signing import verify
+from agent.ota.delta import files as delta
 from agent.ota.inspection import describe, inspect
-from agent.ota.manifest import DELTA_FORMAT, InstallContext, check
-from agent.ota.signing import verify
 
 FILES = ("model_int8.tflite", "tokenizer.model")
 

@@ -20,9 +20,9 @@ from tokenizers import Tokenizer as HF
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from agent.engine.chat import ChatMessage, ChatTemplate, encode_pieces, end_of_turn_ids
-from agent.errors import InvalidRequest
-from agent.runtime.tokenizer_load import load_tokenizer
+from agent.base.errors import InvalidRequest
+from agent.chat.template import ChatMessage, ChatTemplate, encode_pieces, end_of_turn_ids
+from agent.tokenizer.load import load_tokenizer
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 NAMES = ("chatml", "qwen2_5", "llama3", "llama3_2", "gemma2", "gemma3", "phi4", "phi4_mini")
@@ -282,7 +282,7 @@ def tiny_chat_tokenizer() -> str:
 def make_chat_dir(src: Path, dst: Path, template: str) -> Path:
     """`src` (a tiny model directory) with a tokenizer.json, a ChatML template, no EOS and no
     stop ids in metadata.json: only the template's end-of-turn token can end an answer."""
-    from agent.modeldir import load_model_dir, write_model_dir_metadata
+    from agent.model.directory import load_model_dir, write_model_dir_metadata
 
     meta = load_model_dir(src)
     dst.mkdir()
@@ -428,7 +428,7 @@ def chat_daemon(chat_dir, tmp_path_factory):
 
 
 def chat_request(conv, session: str | None = None, n: int = 6, seed: int = 3):
-    from agent.rpc.client import build_request
+    from agent.api.grpc.client import build_request
 
     return build_request(
         None,
@@ -506,7 +506,7 @@ def test_daemon_session_chat_over_several_turns(chat_daemon, chat_dir) -> None:
 
 
 def test_daemon_refuses_chat_for_a_model_without_a_template(tiny_model_dir, tmp_path) -> None:
-    from agent.modeldir import load_model_dir, write_model_dir_metadata
+    from agent.model.directory import load_model_dir, write_model_dir_metadata
     from tests.daemon_harness import Daemon
 
     meta = load_model_dir(tiny_model_dir)

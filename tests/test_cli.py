@@ -121,7 +121,7 @@ def test_model_inspect_reports_layout_and_quantization(tiny_model_dir: Path) -> 
 
 
 def test_client_key_file_is_private_and_stable(tmp_path: Path) -> None:
-    from agent.rpc.identity import load_or_create_key, owner_of
+    from agent.api.identity import load_or_create_key, owner_of
 
     path = tmp_path / "cfg" / "edge-agent" / "client-key"
     key = load_or_create_key(path)
@@ -135,7 +135,7 @@ def test_client_key_file_is_private_and_stable(tmp_path: Path) -> None:
 
 
 def test_client_key_comes_from_flag_env_or_file(tmp_path: Path, monkeypatch) -> None:
-    from agent.rpc.identity import KEY_ENV, resolve_key
+    from agent.api.identity import KEY_ENV, resolve_key
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     monkeypatch.delenv(KEY_ENV, raising=False)
@@ -161,8 +161,8 @@ def test_bad_client_key_is_refused_before_connecting(tmp_path: Path) -> None:
 
 
 def test_session_table() -> None:
+    from agent.api.grpc.client import SessionEntry
     from agent.cli.client import session_table
-    from agent.rpc.client import SessionEntry
 
     now = 1_000_000.0
     rows = [

@@ -1,4 +1,5 @@
-"""Exit codes of the command line as scripts meet them (agent/exitcodes.py, README "Exit codes").
+"""Exit codes of the command line as scripts meet them (agent/base/exitcodes.py, README "Exit
+codes").
 
 Real `python -m agent ...` subprocesses against a real daemon on a unix socket. The daemon runs
 the demo model without its stop token (tests/endless.py): a 1000-token request there generates
@@ -22,8 +23,8 @@ from pathlib import Path
 import pytest
 import sentencepiece
 
-from agent import exitcodes
-from agent.modeldir import demo_model_dir, load_model_dir
+from agent.base import exitcodes
+from agent.model.directory import demo_model_dir, load_model_dir
 from tests.daemon_harness import Daemon
 from tests.endless import endless_model_dir
 
@@ -264,7 +265,7 @@ def test_an_unknown_session_is_refused_exit_5(daemon: Daemon) -> None:
 def test_a_full_queue_and_a_busy_session_are_exit_6(tmp_path: Path) -> None:
     """With the engine stalled, a session's turn waits in the one queue place: another request
     finds the queue full, another turn of the session finds it busy. Both may pass later."""
-    from agent.rpc.client import Client, build_request
+    from agent.api.grpc.client import Client, build_request
 
     d = Daemon(
         tmp_path,

@@ -31,9 +31,9 @@ import pytest
 from packaging.requirements import Requirement
 
 import agent
-from agent.modeldir import demo_model_dir
-from agent.rpc import identity
-from agent.rpc.client import build_request
+from agent.api import identity
+from agent.api.grpc.client import build_request
+from agent.model.directory import demo_model_dir
 from tests.daemon_harness import Daemon
 from tests.endless import endless_model_dir
 

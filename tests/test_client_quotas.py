@@ -16,20 +16,20 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.config import parse_config
+from agent.api.grpc.client import Client, build_request
+from agent.base.errors import ConfigError, Overloaded, QuotaExceeded, SessionLost
+from agent.config.file import parse_config
 from agent.engine.engine import Engine, EngineLimits
 from agent.engine.loading import estimate_memory
 from agent.engine.sampler import SamplingParams
 from agent.engine.scheduler import Scheduler
 from agent.engine.types import GenerateRequest, TokenEvent
-from agent.errors import ConfigError, Overloaded, QuotaExceeded, SessionLost
 from agent.kv.quota import Holding, fair_share, fair_victims
-from agent.modeldir import demo_model_dir
-from agent.pb.edge_agent.v1 import agent_pb2 as pb
-from agent.rpc.client import Client, build_request
+from agent.model.directory import demo_model_dir
 from tests.daemon_harness import Daemon
 
 ENDS = ("length", "stop")

@@ -1,4 +1,5 @@
-"""The agent's clocks (agent/clock.py): when the wall clock counts as synchronized, elapsed time
+"""The agent's clocks (agent/base/clock.py): when the wall clock counts as synchronized, elapsed
+time
 that survives a restart, the manifest and cancel time checks that wait for a synchronized
 clock, and the clock's state in health (docs/UPDATES.md, "Time")."""
 
@@ -10,18 +11,18 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from agent.clock import Clock, ClockState, Stopwatch, kernel_synchronized
-from agent.config import parse_config
-from agent.errors import ConfigError
-from agent.fleet.health import HealthReporter, build_health, changes
-from agent.fleet.view import FleetView
-from agent.metrics import Metrics
-from agent.ota import keys
-from agent.ota.cancel import sign_cancel, verify_cancel
-from agent.ota.manifest import UpdateRejected, check_times
+from agent.api.grpc.convert import status_message
+from agent.base.clock import Clock, ClockState, Stopwatch, kernel_synchronized
+from agent.base.errors import ConfigError
+from agent.config.file import parse_config
+from agent.fleet.device.health import HealthReporter, build_health, changes
+from agent.operator.view import FleetView
+from agent.ota.artifact import keys
+from agent.ota.artifact.cancel import sign_cancel, verify_cancel
+from agent.ota.artifact.manifest import UpdateRejected, check_times
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
-from agent.rpc.convert import status_message
+from agent.status.metrics import Metrics
 from tests.test_fleet_health import agent_status, disk, model_info, thermal
 from tests.test_metrics import scrape, value
 

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import DEFAULT_SOCKET, AgentConfig, load_config, parse_config
-from agent.errors import ConfigError
+from agent.base.errors import ConfigError
+from agent.config.file import DEFAULT_SOCKET, AgentConfig, load_config, parse_config
 
 SRC = "/etc/edge-agent/agent.toml"
 
 
 def test_defaults_when_the_default_file_is_absent(monkeypatch, tmp_path: Path) -> None:
-    monkeypatch.setattr("agent.config.DEFAULT_PATH", tmp_path / "absent.toml")
+    monkeypatch.setattr("agent.config.file.DEFAULT_PATH", tmp_path / "absent.toml")
     cfg = load_config(None)
     assert cfg == AgentConfig()
     assert cfg.server.socket == DEFAULT_SOCKET and cfg.server.socket_mode == 0o660

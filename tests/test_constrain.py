@@ -1,4 +1,4 @@
-"""Structured output by constrained decoding (agent/engine/constrain.py), on the tiny real
+"""Structured output by constrained decoding (agent/constraint/compiler.py), on the tiny real
 models with both tokenizer kinds: SentencePiece (``▁`` spaces) and a byte-level BPE
 tokenizer.json (``Ġ``). What comes out is checked by references outside our code: the
 `jsonschema` library, `json`, Python's `re.fullmatch`."""
@@ -15,13 +15,14 @@ import jsonschema
 import numpy as np
 import pytest
 
-from agent.engine.constrain import ENTRY_MIN_BYTES, MISSING_EXTRA, ConstraintCompiler
+from agent.base.errors import InvalidRequest, RuntimeFailure
+from agent.constraint.compiler import ENTRY_MIN_BYTES, MISSING_EXTRA, ConstraintCompiler
+from agent.constraint.types import Constraint
 from agent.engine.engine import Engine
 from agent.engine.sampler import Sampler, SamplingParams
-from agent.engine.types import Constraint, GenerateRequest
-from agent.errors import InvalidRequest, RuntimeFailure
-from agent.runtime.tokenizer import Tokenizer
-from agent.runtime.tokenizer_load import load_tokenizer
+from agent.engine.types import GenerateRequest
+from agent.tokenizer.base import Tokenizer
+from agent.tokenizer.load import load_tokenizer
 from tests.test_chat import BOOM, make_chat_dir
 from tests.test_chat import source as template_source
 
@@ -455,7 +456,7 @@ def test_every_ids_bytes_are_what_sentencepiece_decodes_in_context(sp_kinds, whi
     """For every id, the bytes llguidance is given against sentencepiece's own
     `id_to_piece`/`decode`: a byte piece is its byte, ``<unk>`` and control pieces are kept
     out of grammars, and any other piece is what it adds after a plain-letter piece."""
-    from agent.engine.constrain import _Tokens
+    from agent.constraint.compiler import _Tokens
 
     tok = sp_kinds[which]
     ref = _reference(tok)
@@ -502,7 +503,7 @@ def test_the_encoder_llguidance_calls_spells_exactly_or_refuses(sp_kinds, which)
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from agent.engine.constrain import Unspellable, _Tokens
+    from agent.constraint.compiler import Unspellable, _Tokens
 
     tok = sp_kinds[which]
     tokens = _Tokens(tok, max(tok.special_ids))
@@ -525,10 +526,10 @@ def test_without_llguidance_a_constrained_request_names_the_extra(tiny_model_dir
     """A 32-bit Arm board has no llguidance wheel: the import fails there as it does here."""
     code = (
         "import sys; sys.modules['llguidance'] = None\n"
-        "from agent.engine.constrain import ConstraintCompiler\n"
+        "from agent.constraint.compiler import ConstraintCompiler\n"
         "from agent.engine.types import Constraint\n"
-        "from agent.errors import InvalidRequest\n"
-        "from agent.runtime.tokenizer_load import load_tokenizer\n"
+        "from agent.base.errors import InvalidRequest\n"
+        "from agent.tokenizer.load import load_tokenizer\n"
         "from pathlib import Path\n"
         f"tok = load_tokenizer(Path({str(tiny_model_dir / 'tokenizer.model')!r}))\n"
         "try:\n"

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from agent.pb.edge_agent.v1 import agent_pb2_grpc as pb_grpc
-from agent.rpc.client import Client, SessionEntry, build_request
-from agent.runtime import cachefiles
+
+from agent.api.grpc.client import Client, SessionEntry, build_request
+from agent.runtime.prepare import cachefiles
 from tests.daemon_harness import Daemon
 
 P = f"p{cachefiles.PREPARED_FORMAT}"  # the prepared copies' format, in their names
@@ -63,7 +63,7 @@ def test_the_generic_profile_gets_a_weight_cache_dir_from_the_daemon(
     """The generic profile names no `xnnpack_weight_cache_dir`; the daemon keeps packed weights
     and the prepared copy in its state directory, or in systemd's cache directory."""
     from agent.daemon.plan import with_weight_cache
-    from agent.modeldir import load_model_dir
+    from agent.model.directory import load_model_dir
 
     sha = load_model_dir(tiny_model_dir).variant("int8").sha256
     cache = daemon.tmp / "state" / "cache" / "xnnpack"
@@ -340,7 +340,7 @@ def test_sighup_reload_under_load_switches_model_without_failures(tiny_model_dir
         assert c.health() == "SERVING"
         # the int8 model loaded beside the fp32 one, which kept its prepared files: a rollback
         # (or a restart on it) starts from them; the next load prunes them
-        from agent.modeldir import load_model_dir
+        from agent.model.directory import load_model_dir
 
         meta = load_model_dir(tiny_model_dir)
         cache = d.tmp / "state" / "cache" / "xnnpack"
@@ -355,7 +355,7 @@ def test_sighup_reload_that_does_not_fit_beside_drains_first(tmp_path) -> None:
     unloads the old model, then loads the new one; nothing in flight fails. (The demo model:
     the tiny one plans less than the smallest budget a profile accepts.)"""
     from agent.engine.loading import estimate_memory
-    from agent.modeldir import demo_model_dir
+    from agent.model.directory import demo_model_dir
     from agent.profile import profiles_dir, resolve_profile
     from tests.endless import endless_model_dir
 
@@ -500,7 +500,7 @@ def test_tcp_only_on_loopback(tiny_model_dir, tmp_path) -> None:
         port = s.getsockname()[1]
     d = Daemon(tmp_path, tiny_model_dir, f'[server]\ntcp = "127.0.0.1:{port}"\n')
     try:
-        from agent.rpc.client import Client
+        from agent.api.grpc.client import Client
 
         c = Client(f"127.0.0.1:{port}", timeout=30)
         assert c.health() == "SERVING"

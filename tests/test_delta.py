@@ -26,12 +26,12 @@ from ai_edge_litert import schema_py_generated as schema
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agent.base.errors import AgentError
 from agent.cli.model import add_delta_commands
-from agent.errors import AgentError
-from agent.modeldir import demo_model_dir, sha256_file
-from agent.ota import delta
-from agent.ota.delta import DeltaError, DeltaStats
-from agent.ota.delta_regions import Region, tflite_regions
+from agent.model.directory import demo_model_dir, sha256_file
+from agent.ota.delta import files as delta
+from agent.ota.delta.files import DeltaError, DeltaStats
+from agent.ota.delta.regions import Region, tflite_regions
 
 LEVEL = 3
 DEMO = demo_model_dir()

@@ -20,7 +20,7 @@ def test_a_tokenizer_json_model_never_imports_the_hub_client(tmp_path: Path) -> 
     probe = (
         "import json, sys\n"
         "from pathlib import Path\n"
-        "from agent.runtime.tokenizer_load import load_tokenizer\n"
+        "from agent.tokenizer.load import load_tokenizer\n"
         f"t = load_tokenizer(Path({str(tok)!r}))\n"
         "ids = t.encode('def main():')\n"
         "print(json.dumps({'ids': list(ids), 'hub': 'huggingface_hub' in sys.modules,\n"

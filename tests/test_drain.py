@@ -33,10 +33,10 @@ import grpc
 import httpx
 import openai
 import pytest
-
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from agent.pb.edge_agent.v1 import agent_pb2_grpc as pb_grpc
-from agent.rpc.client import build_request
+
+from agent.api.grpc.client import build_request
 from tests.daemon_harness import Daemon
 from tests.endless import endless_model_dir
 
@@ -294,11 +294,11 @@ def test_a_draining_engine_that_a_stop_hurries_ends_every_request(
     the daemon stopping meanwhile hurries it: the waiting request is refused unstarted and the
     running one is cut, its last event holding its tokens so far. The running request is held
     by its consumer, which takes nothing (the engine pauses it after one event)."""
+    from agent.base.errors import Unavailable
     from agent.engine.engine import Engine, EngineLimits
     from agent.engine.sampler import SamplingParams
     from agent.engine.stopping import STOPPING_CUT, STOPPING_REFUSED
     from agent.engine.types import GenerateRequest, TokenEvent
-    from agent.errors import Unavailable
 
     limits = EngineLimits(max_active=1, queue_capacity=2, max_pending_events=1, event_tokens=1)
     engine = Engine(dev_profile, tiny_model_dir, limits=limits)

@@ -9,11 +9,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agent.base.errors import (
+    ContextOverflow,
+    InvalidRequest,
+    ModelFormatError,
+    NotFound,
+    SessionBusy,
+)
 from agent.engine.engine import Engine
 from agent.engine.generation import StopMatcher
 from agent.engine.sampler import SamplingParams
 from agent.engine.types import GenerateRequest
-from agent.errors import ContextOverflow, InvalidRequest, ModelFormatError, NotFound, SessionBusy
 from tests.tiny_models import LEGACY
 
 PROMPT = "def main():\n    return 1\n"

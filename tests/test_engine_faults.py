@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
+from agent.base.errors import RuntimeFailure, SessionLost
 from agent.engine.engine import Engine
 from agent.engine.types import GenerateRequest, TokenEvent
-from agent.errors import RuntimeFailure, SessionLost
 from tests import test_sessions
 from tests.test_engine import _greedy_continue
 from tests.test_sessions import GREEDY, MIB, TURNS, push_out, reference, tier, turn

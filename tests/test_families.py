@@ -270,8 +270,8 @@ def engine(
     after its first turn, so that its second spill goes to disk."""
     from agent.engine.engine import Engine, EngineLimits
     from agent.engine.loading import estimate_memory
-    from agent.runtime.layout import discover_layout
-    from agent.runtime.modelfile import read_model_file
+    from agent.model.tflite.file import read_model_file
+    from agent.model.tflite.layout import discover_layout
 
     tmp = tmp_path_factory.mktemp("engine")
     cache = cache_dirs[model.combo]
@@ -418,7 +418,7 @@ def test_daemon_greedy_tokens_equal_the_reference(
 ) -> None:
     """The daemon runs the prepared copy the in-process load made and checked (the engine
     fixture), in the same weight cache directory, as a board's second start does."""
-    from agent.rpc.client import build_request
+    from agent.api.grpc.client import build_request
 
     daemon = daemons.get(model, engine.cache_dir)
     c = daemon.client()

@@ -12,18 +12,18 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from agent.config import parse_broker
+from agent.config.file import parse_broker
 from agent.fleet import codec
-from agent.fleet.link import Backoff
+from agent.fleet.device.link import Backoff
 from agent.fleet.mqtt import MqttOptions, payload_type
-from agent.fleet.operator import send
-from agent.fleet.operator_link import FleetError
 from agent.fleet.topics import Topics
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
+from agent.operator.client import send
+from agent.operator.link import FleetError
 from tests.broker import OPERATOR, Mosquitto, Pki, make_pki
 from tests.daemon_harness import Daemon
 
@@ -340,9 +340,9 @@ def test_username_and_password_file(tiny_model_dir, tmp_path) -> None:
 
 
 def test_device_id_defaults_to_the_machine_id(tmp_path) -> None:
-    from agent.config import FleetConfig
-    from agent.errors import ConfigError
-    from agent.fleet.agent import resolve_device_id
+    from agent.base.errors import ConfigError
+    from agent.config.file import FleetConfig
+    from agent.fleet.device.agent import resolve_device_id
 
     machine_id = tmp_path / "machine-id"
     machine_id.write_text("4c4c4544004a3510804cb4c04f4e3332\n")

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
 from paho.mqtt.enums import CallbackAPIVersion
 
-from agent.fleet.operator import send
-from agent.fleet.operator_link import FleetError
-from agent.fleet.view import FleetView
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
+from agent.operator.client import send
+from agent.operator.link import FleetError
+from agent.operator.view import FleetView
 from tests.broker import Mosquitto
 from tests.test_fleet_operator import options
 

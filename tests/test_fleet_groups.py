@@ -18,21 +18,21 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from agent import __version__
-from agent.config import parse_broker
-from agent.fleet.digest import Presence
-from agent.fleet.fanout import MAX_IN_FLIGHT, Outcome, send_many
-from agent.fleet.inventory import InventoryRow, inventory, split_model
+from agent.config.file import parse_broker
 from agent.fleet.mqtt import MqttOptions
-from agent.fleet.operator import watch
-from agent.fleet.render import inventory_json, inventory_table, render
 from agent.fleet.topics import Topics
-from agent.fleet.view import FleetView
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
+from agent.operator.client import watch
+from agent.operator.digest import Presence
+from agent.operator.fanout import MAX_IN_FLIGHT, Outcome, send_many
+from agent.operator.inventory import InventoryRow, inventory, split_model
+from agent.operator.render import inventory_json, inventory_table, render
+from agent.operator.view import FleetView
 from tests.broker import Mosquitto, free_port
 from tests.daemon_harness import Daemon
 from tests.test_fleet_operator import cli

@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.clock import ClockState
+from agent.base.clock import ClockState
 from agent.engine.stats import EngineStats, ModelInfo, Percentiles
 from agent.engine.types import TierStats
-from agent.fleet.health import (
+from agent.fleet.device.health import (
     THROTTLED_FILE,
     HealthReporter,
     Labels,
@@ -28,9 +29,8 @@ from agent.fleet.health import (
     read_thermal,
     significant_change,
 )
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.runtime.plan import MemoryPlan
-from agent.status import AgentStatus
+from agent.status.value import AgentStatus
 
 MIB = 1 << 20
 

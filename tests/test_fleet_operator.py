@@ -16,21 +16,21 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
-from paho.mqtt.enums import CallbackAPIVersion
-
-from agent.cli.fleet import add_fleet_parser
-from agent.config import parse_broker
-from agent.errors import AgentError
-from agent.fleet.digest import Presence
-from agent.fleet.health import read_thermal
-from agent.fleet.mqtt import MqttOptions, publish_properties, response_route
-from agent.fleet.operator import send, watch
-from agent.fleet.operator_link import FleetError
-from agent.fleet.render import render, to_json
-from agent.fleet.topics import Topics, parse
-from agent.fleet.view import FleetView
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
 from agent.pb.edge_agent.v1 import agent_pb2
+from paho.mqtt.enums import CallbackAPIVersion
+
+from agent.base.errors import AgentError
+from agent.cli.fleet.commands import add_fleet_parser
+from agent.config.file import parse_broker
+from agent.fleet.device.health import read_thermal
+from agent.fleet.mqtt import MqttOptions, publish_properties, response_route
+from agent.fleet.topics import Topics, parse
+from agent.operator.client import send, watch
+from agent.operator.digest import Presence
+from agent.operator.link import FleetError
+from agent.operator.render import render, to_json
+from agent.operator.view import FleetView
 from tests.broker import OPERATOR, Mosquitto, Pki, make_pki
 
 PREFIX = "fleet/v1"
@@ -578,7 +578,7 @@ def test_watch_json_has_no_temperature_without_a_sensor(broker, tmp_path: Path) 
 
 def _agent_commands() -> set[str]:
     """The commands the device answers: the keys of FleetAgent._handlers, read from its source
-    (agent/fleet/agent.py), not from the operator's code."""
+    (agent/fleet/device/agent.py), not from the operator's code."""
     src = Path(__file__).resolve().parent.parent / "agent" / "fleet" / "agent.py"
     for node in ast.walk(ast.parse(src.read_text())):
         if isinstance(node, ast.FunctionDef) and node.name == "_handlers":

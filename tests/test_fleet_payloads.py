@@ -20,18 +20,18 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from agent.fleet import codec
-from agent.fleet.publish import read_offer
 from agent.fleet.topics import Topics, parse
-from agent.fleet.view import FleetView
-from agent.modeldir import load_model_dir
-from agent.ota import keys
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
-from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
+from agent.model.directory import load_model_dir
+from agent.operator.publish import read_offer
+from agent.operator.view import FleetView
+from agent.ota.artifact import keys
 from tests.broker import Mosquitto
 from tests.daemon_harness import Daemon
 from tests.test_fleet import raw_request

@@ -2,7 +2,8 @@
 loopback): a bad bundle is one line and exit 2 before anything is sent; every status a device
 reports is printed once, with its reason code; `--json` prints one object per line.
 
-The devices are MQTT clients that answer the `update` command the way agent/fleet/agent.py does
+The devices are MQTT clients that answer the `update` command the way agent/fleet/device/agent.py
+does
 (the accepted or rejected UpdateStatus in the response, and the same status again as an Event on
 update/status, as the updater reports every transition), then report the phases of an update.
 """
@@ -23,11 +24,11 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from paho.mqtt.enums import CallbackAPIVersion
 
-from agent.config import parse_broker
+from agent.config.file import parse_broker
 from agent.fleet.mqtt import MqttOptions, publish_properties, response_route
 from agent.fleet.topics import Topics, parse
-from agent.ota.bundle import write_bundle
-from agent.ota.signing import sign
+from agent.ota.artifact.bundle import write_bundle
+from agent.ota.artifact.signing import sign
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from tests.broker import Mosquitto

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.fleet import rollout_plan as plan
+from agent.operator.rollout import plan
 from tests.broker import Mosquitto
 from tests.fleetsim import FleetSim, SimDevice, SimModels, scratch_root
 
@@ -280,12 +280,12 @@ def test_each_simulated_failure_happens_as_documented_over_http(
     do not use: each behaviour ends as documented, a signed cancel ends a stalled download, an
     `offline` device never answers, its Will is on the broker and it gets the offer again when
     it comes back, and a device that loses power after its update resumes from its record."""
-    from agent.config import parse_broker
+    from agent.config.file import parse_broker
     from agent.fleet.mqtt import MqttOptions
-    from agent.fleet.operator import send
-    from agent.fleet.operator_link import FleetError
-    from agent.ota.bundle import read_bundle
-    from agent.ota.cancel import sign_cancel
+    from agent.operator.client import send
+    from agent.operator.link import FleetError
+    from agent.ota.artifact.bundle import read_bundle
+    from agent.ota.artifact.cancel import sign_cancel
     from tests.httpserver import PayloadServer, Served
 
     served = Served(tmp_path / "payload.bin")
@@ -352,6 +352,6 @@ def test_each_simulated_failure_happens_as_documented_over_http(
 
 
 def read_offer_id(bundle: Path) -> str:
-    from agent.fleet.publish import read_offer
+    from agent.operator.publish import read_offer
 
     return read_offer(bundle)[1].update_id

@@ -15,10 +15,10 @@ import grpc
 import jsonschema
 import pytest
 
-from agent.engine.chat import ChatTemplate, chat_ids
-from agent.engine.types import ChatMessage, Tool, ToolCall
+from agent.chat.template import ChatTemplate, chat_ids
+from agent.chat.types import ChatMessage, Tool, ToolCall
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
-from agent.runtime.tokenizer_load import load_tokenizer
+from agent.tokenizer.load import load_tokenizer
 from tests.daemon_harness import Daemon
 from tests.test_chat import make_chat_dir
 from tests.test_toolcalls import CITY, DIGIT, HERMES, SHORT_TOOLS

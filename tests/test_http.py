@@ -23,11 +23,11 @@ import httpx
 import openai
 import pytest
 
-from agent.config import AgentConfig, HttpConfig, http_socket, parse_config
+from agent.api.grpc.client import build_request
+from agent.base.errors import ConfigError
+from agent.config.file import AgentConfig, HttpConfig, http_socket, parse_config
 from agent.daemon.plan import Overrides, apply_overrides
-from agent.errors import ConfigError
-from agent.modeldir import demo_model_dir
-from agent.rpc.client import build_request
+from agent.model.directory import demo_model_dir
 from tests.daemon_harness import Daemon
 from tests.endless import endless_model_dir
 
@@ -244,7 +244,7 @@ def test_engine_errors_and_bad_json(daemon: Daemon, sock: Path) -> None:
         "POST",
         "/v1/completions",
         content=b"{not json",
-        headers={"Content-Type": "application/json"},  # else a 415 (agent.http.body)
+        headers={"Content-Type": "application/json"},  # else a 415 (agent.api.http.body)
     )
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     long = "word " * 4000  # beyond the tiny model's context

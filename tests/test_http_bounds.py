@@ -28,10 +28,10 @@ import httpx
 import openai
 import pytest
 
-from agent.config import HttpConfig
-from agent.http.connections import fd_headroom
-from agent.http.faults import GATE_ENV
-from agent.rpc.identity import load_or_create_key, loose_key_file
+from agent.api.http.connections import fd_headroom
+from agent.api.http.faults import GATE_ENV
+from agent.api.identity import load_or_create_key, loose_key_file
+from agent.config.file import HttpConfig
 from tests.daemon_harness import Daemon
 
 WAIT_S = 60.0  # a bound on waiting for an event, never a measured time

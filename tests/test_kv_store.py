@@ -23,13 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from agent.errors import (
-    InvalidRequest,
-    NotFound,
-    SessionLost,
-    Unavailable,
-    grpc_status_name,
-)
+from agent.base.errors import InvalidRequest, NotFound, SessionLost, Unavailable, grpc_status_name
 from agent.kv import codec
 from agent.kv.disk import DiskTier, Stored
 from agent.kv.lru import ByteLRU

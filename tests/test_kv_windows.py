@@ -12,12 +12,13 @@ import pytest
 from agent.engine.engine import Engine
 from agent.engine.sampler import SamplingParams
 from agent.engine.types import GenerateRequest
-from agent.runtime import cachefiles, litert
-from agent.runtime import layout as kv_layout
-from agent.runtime.inline import prepare_file
-from agent.runtime.layout import discover_layout
-from agent.runtime.modelfile import read_model_file
-from agent.runtime.prepared import prepared_model
+from agent.model.tflite import layout as kv_layout
+from agent.model.tflite.file import read_model_file
+from agent.model.tflite.layout import discover_layout
+from agent.runtime import litert
+from agent.runtime.prepare import cachefiles
+from agent.runtime.prepare.inline import prepare_file
+from agent.runtime.prepare.model import prepared_model
 from agent.toolchain.export import ExportOptions
 
 P = f"p{cachefiles.PREPARED_FORMAT}"  # the prepared copies' format, in their names
@@ -196,7 +197,8 @@ def test_sessions_that_grow_across_windows_match_the_full_length(engines) -> Non
 def test_windows_added_to_a_file_match_the_exported_ones(
     tiny_model_factory, windowed, dev_profile, tmp_path
 ) -> None:
-    """The rewrite (`agent.runtime.windows`) makes from a single-length file what the converter
+    """The rewrite (`agent.runtime.prepare.windows`) makes from a single-length file what the
+    converter
     exports with windows: the same signatures and KV shapes, and the same logits (both files
     hold the same weights: seed 0)."""
     single = tiny_model_factory(prefill_lens=(8,), kv_max=64)
@@ -310,7 +312,7 @@ def test_the_memory_estimate_counts_the_windows_a_load_adds(
     """The daemon decides from `estimate_memory` whether an update loads beside the serving
     model; the estimate must not be below what the load then plans."""
     from agent.engine.loading import estimate_memory
-    from agent.modeldir import load_model_dir
+    from agent.model.directory import load_model_dir
 
     d = tiny_model_factory.model_dir(quantizations=("int8",), prefill_lens=(8, 32), kv_max=512)
     cache = tmp_path / "xnnpack"

@@ -1,12 +1,13 @@
 """The house rules of `agent/`, checked from the code's own imports (docs/ARCHITECTURE.md).
 
-A *part* is a subpackage (``agent.engine``) or a top-level module (``agent.errors``) of `agent`.
-Every import between two parts must be in `ALLOWED`: the flow is one way, profile → runtime →
-engine → kv, with rpc, fleet and ota as adapters around it and the daemon and the CLI as the
-only places that wire parts together. Imports inside functions and under ``TYPE_CHECKING`` count:
-a lazy import is still an arrow. No two modules may import each other, directly or around a
-circle. LiteRT is imported by the runtime only, and wire types (our protobuf messages, gRPC,
-MQTT) stop at the adapters.
+A *part* is a subpackage of `agent` (``agent.engine``), or one of the `NESTED` subpackages that
+stand as parts of their own (``agent.api.grpc``). Every import between two parts must be in
+`ALLOWED`: the flow is one way, model → runtime → engine → kv, with the APIs, the fleet link
+and the updater as adapters around it, the operator's tools apart, and the daemon and the CLI
+as the only places that wire parts together. Imports inside functions and under
+``TYPE_CHECKING`` count: a lazy import is still an arrow. No two modules may import each other,
+directly or around a circle. LiteRT is imported by the runtime (and the flatbuffer schema
+reader) only, and wire types (our protobuf messages, gRPC, MQTT) stop at the adapters.
 
 Run ``python tests/test_layering.py`` to print every violation.
 """
@@ -24,60 +25,52 @@ GENERATED = ("pb",)  # protoc's output: not hand-written, not checked
 
 ANYTHING = frozenset({"*"})
 
+# subpackages that are parts of their own: the two APIs never import each other, and the
+# device's fleet link stands apart from what the operator's tools share with it
+NESTED = ("api.grpc", "api.http", "fleet.device")
+
 # part → the parts (or single modules, "part.module") it may import. Keep it short: a new arrow
 # is a design decision, and this table is where it is written down.
 ALLOWED: Mapping[str, frozenset[str]] = {
     "agent": frozenset(),  # the package's __init__: __version__
-    "errors": frozenset(),
-    "exitcodes": frozenset({"errors"}),
-    "fsutil": frozenset({"errors"}),
-    "tomltable": frozenset({"errors"}),
-    "systemd": frozenset({"errors"}),
-    "shipped": frozenset({"agent"}),
-    "statelock": frozenset({"errors", "fsutil"}),
+    "base": frozenset({"agent"}),  # errors, files, TOML reads, where the shipped data is
     "pb": frozenset(),
     "_protogen": frozenset(),
     "models": frozenset(),
-    "modeldir": frozenset({"errors", "fsutil", "shipped"}),
-    "profile": frozenset({"errors", "modeldir", "shipped", "tomltable"}),
-    "userdirs": frozenset({"profile"}),
-    "fleetconfig": frozenset({"errors", "tomltable"}),
-    "config": frozenset({"errors", "fleetconfig", "tomltable"}),
-    "units": frozenset({"errors", "profile", "shipped", "tomltable"}),
-    "runtime": frozenset({"errors", "fsutil", "modeldir", "profile", "userdirs"}),
-    "kv": frozenset({"errors", "fsutil"}),
-    "engine": frozenset({"errors", "kv", "modeldir", "profile", "runtime"}),
-    # whether the wall clock is known to be right (timesyncd, the kernel): read by ota and status
-    "clock": frozenset({"config"}),
-    "status": frozenset({"clock", "engine.types", "engine.stats"}),
-    "modelimport": frozenset({"errors", "fsutil", "modeldir", "runtime", "engine"}),
-    "toolchain": frozenset({"agent", "modeldir"}),
-    "rpc": frozenset(
-        {"config", "engine", "errors", "exitcodes", "fsutil", "pb", "status", "metrics"}
+    "config": frozenset({"base"}),
+    "tokenizer": frozenset({"base"}),
+    "model": frozenset({"base", "tokenizer"}),  # a .litertlm's vocabulary check
+    "profile": frozenset({"base", "model"}),
+    "systemd": frozenset({"base", "profile"}),
+    "runtime": frozenset({"base", "model", "profile"}),
+    "kv": frozenset({"base"}),
+    "constraint": frozenset({"base", "tokenizer"}),
+    "chat": frozenset({"base", "constraint", "tokenizer"}),
+    "engine": frozenset(
+        {"base", "chat", "constraint", "kv", "model", "profile", "runtime", "tokenizer"}
     ),
-    # the operator side publishes signed bundles (ota); ota never imports fleet
-    "fleet": frozenset(
-        {
-            "agent",
-            "config",
-            "errors",
-            "fsutil",
-            "pb",
-            "status",
-            "engine.types",
-            "engine.stats",
-            "rpc.convert",
-            "ota",
-        }
+    "status": frozenset({"base", "engine.types", "engine.stats"}),
+    # protobuf messages more than one adapter sends
+    "wire": frozenset({"base", "pb", "engine.types", "engine.stats", "status"}),
+    "modelimport": frozenset({"base", "chat", "model", "tokenizer"}),
+    "toolchain": frozenset({"agent", "model"}),
+    # the updater: ota never imports the fleet link (the daemon hands it its transport)
+    "ota": frozenset({"base", "config", "model", "pb"}),
+    # the local APIs: what both share (identity, sockets, ports), then each on its own
+    "api": frozenset({"base"}),
+    "api.grpc": frozenset(
+        {"api", "base", "chat", "config", "constraint", "engine", "pb", "status", "wire"}
     ),
-    "ota": frozenset({"clock", "config", "errors", "fsutil", "modeldir", "pb", "runtime.schema"}),
-    # the OpenAI-compatible HTTP API: an adapter beside rpc (shares its socket rules, not its code)
-    "http": frozenset(
-        {"config", "engine", "errors", "exitcodes", "fsutil", "status", "metrics"}
-        | {"rpc.unixsocket", "rpc.identity"}  # one socket rule and one client identity for both
+    "api.http": frozenset({"api", "base", "chat", "config", "constraint", "engine", "status"}),
+    # the fleet link: what device and operator share (topics, codec, the MQTT client) ...
+    "fleet": frozenset({"base", "config", "pb"}),
+    # ... and the device's side of it
+    "fleet.device": frozenset(
+        {"agent", "base", "config", "engine.stats", "engine.types", "fleet", "pb", "status"}
+        | {"wire"}
     ),
-    # Prometheus metrics: read from the status snapshot and the engine's data types
-    "metrics": frozenset({"status", "engine.types", "engine.stats"}),
+    # the operator's tools: never imported by the daemon (FORBIDDEN), only by the CLI
+    "operator": frozenset({"base", "config", "fleet", "ota.artifact", "pb"}),
     # the composition roots: the CLI may start the daemon, never the other way round (FORBIDDEN)
     "daemon": ANYTHING,
     "cli": ANYTHING,
@@ -86,12 +79,16 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "_entry": frozenset({"cli"}),
 }
 
-FORBIDDEN: Mapping[str, frozenset[str]] = {"daemon": frozenset({"cli"})}
+FORBIDDEN: Mapping[str, frozenset[str]] = {"daemon": frozenset({"cli", "operator"})}
 
 LITERT = ("ai_edge_litert", "tflite_runtime")
-LITERT_IMPORTERS = ("runtime", "toolchain")  # toolchain: the optional export extra, never served
+# the runtime; LiteRT's own flatbuffer schema module (read lazily); the optional export extra
+LITERT_IMPORTERS = ("runtime", "model.tflite.schema", "toolchain")
 WIRE = ("agent.pb", "grpc", "paho")  # google.protobuf alone also reads file formats (.litertlm)
-WIRE_IMPORTERS = ("rpc", "http", "fleet", "ota", "daemon", "cli", "_protogen", "pb")
+WIRE_IMPORTERS = (
+    "api.grpc", "api.http", "fleet", "fleet.device", "operator", "ota", "wire", "daemon", "cli",
+    "_protogen", "pb",
+)  # fmt: skip
 
 MAX_LINES = 450  # "no hand-written module over ~400 lines"
 
@@ -140,6 +137,8 @@ def imports(name: str, path: Path, known: Mapping[str, Path]) -> Iterator[Import
 
 def part(module: str) -> str:
     pieces = module.split(".")
+    if len(pieces) > 2 and ".".join(pieces[1:3]) in NESTED:
+        return ".".join(pieces[1:3])
     return pieces[1] if len(pieces) > 1 else pieces[0]
 
 
@@ -150,9 +149,13 @@ def allowed(source_part: str, target: str) -> bool:
     if rules is ANYTHING:
         return True
     inner = target.split(".", 1)[1] if "." in target else target
-    return any(inner == rule or inner.startswith(rule + ".") for rule in rules) or (
-        target == "agent" and "agent" in rules
-    )
+    nested = part(target) if part(target) in NESTED else None
+    return any(
+        (inner == rule or inner.startswith(rule + "."))
+        # a rule naming a package does not reach into the parts nested in it
+        and (nested is None or rule == nested or rule.startswith(nested + "."))
+        for rule in rules
+    ) or (target == "agent" and "agent" in rules)
 
 
 def layering_violations(root: Path = AGENT) -> list[str]:
@@ -210,7 +213,7 @@ def foreign_importers(root: Path, prefixes: tuple[str, ...], parts: tuple[str, .
     known = modules(root)
     found = []
     for name, path in known.items():
-        if part(name) in parts:
+        if part(name) in parts or any(name == f"{root.name}.{p}" for p in parts):
             continue
         for imp in imports(name, path, known):
             if any(imp.target == p or imp.target.startswith(p + ".") for p in prefixes):
@@ -262,9 +265,10 @@ def test_the_checker_finds_an_arrow_against_the_flow(tmp_path: Path) -> None:
     root = _package(
         tmp_path,
         {
-            "errors.py": "",
+            "base/__init__.py": "",
+            "base/errors.py": "",
             "kv/__init__.py": "",
-            "kv/lru.py": "from agent.errors import AgentError\n",
+            "kv/lru.py": "from agent.base.errors import AgentError\n",
             "engine/__init__.py": "",
             "engine/engine.py": "from ..kv import lru\n",
             # a lazy import of the engine by the KV tier: against the flow
@@ -283,6 +287,31 @@ def test_the_checker_finds_an_arrow_against_the_flow(tmp_path: Path) -> None:
     assert any("ota must not import agent.engine.engine" in v for v in found)
 
 
+def test_the_checker_keeps_nested_parts_apart(tmp_path: Path) -> None:
+    """The two APIs share `api`'s own modules, never each other's; the daemon never imports the
+    operator's tools."""
+    root = _package(
+        tmp_path,
+        {
+            "api/__init__.py": "",
+            "api/identity.py": "",
+            "api/grpc/__init__.py": "",
+            "api/grpc/convert.py": "from agent.api.identity import key\n",
+            "api/http/__init__.py": "",
+            "api/http/openai.py": (
+                "from agent.api.identity import key\nfrom agent.api.grpc import convert\n"
+            ),
+            "operator/__init__.py": "",
+            "operator/view.py": "",
+            "daemon/__init__.py": "from agent.operator import view\n",
+        },
+    )
+    assert sorted(v.split(": ", 1)[1] for v in layering_violations(root)) == [
+        "api.http must not import agent.api.grpc.convert",
+        "daemon must not import agent.operator.view",
+    ]
+
+
 def test_the_checker_allows_single_modules_only_where_named(tmp_path: Path) -> None:
     root = _package(
         tmp_path,
@@ -290,7 +319,10 @@ def test_the_checker_allows_single_modules_only_where_named(tmp_path: Path) -> N
             "engine/__init__.py": "",
             "engine/types.py": "",
             "engine/engine.py": "",
-            "status.py": "from agent.engine.types import X\nfrom agent.engine.engine import E\n",
+            "status/__init__.py": "",
+            "status/value.py": (
+                "from agent.engine.types import X\nfrom agent.engine.engine import E\n"
+            ),
         },
     )
     assert [v.split(": ", 1)[1] for v in layering_violations(root)] == [
@@ -302,15 +334,13 @@ def test_the_checker_finds_a_lazy_cycle(tmp_path: Path) -> None:
     root = _package(
         tmp_path,
         {
-            "runtime/__init__.py": "",
-            "runtime/modelfile.py": "def read():\n    from agent.runtime.modelparse import parse\n",
-            "runtime/modelparse.py": "from agent.runtime.modelfile import ModelFile\n",
-            "runtime/other.py": "from agent.runtime import modelfile\n",
+            "model/__init__.py": "",
+            "model/file.py": "def read():\n    from agent.model.parse import parse\n",
+            "model/parse.py": "from agent.model.file import ModelFile\n",
+            "model/other.py": "from agent.model import file\n",
         },
     )
-    assert cycles(root) == [
-        ["agent.runtime.modelfile", "agent.runtime.modelparse", "agent.runtime.modelfile"]
-    ]
+    assert cycles(root) == [["agent.model.file", "agent.model.parse", "agent.model.file"]]
 
 
 def test_the_checker_finds_litert_and_wire_types_out_of_place(tmp_path: Path) -> None:

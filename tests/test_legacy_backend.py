@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 
+from agent.base.errors import ModelFormatError
 from agent.engine.engine import Engine
 from agent.engine.loading import estimate_memory
 from agent.engine.sampler import SamplingParams
 from agent.engine.types import GenerateRequest
-from agent.errors import ModelFormatError
 from agent.profile import MIN_MAX_NUM_BYTES, parse_profile, profiles_dir
 from agent.runtime import litert
 from tests.tiny_models import TinyModelFactory
@@ -210,7 +210,7 @@ from agent.engine.engine import Engine, EngineLimits
 from agent.engine.loading import estimate_memory
 from agent.engine.sampler import SamplingParams
 from agent.engine.types import GenerateRequest
-from agent.errors import NotFound
+from agent.base.errors import NotFound
 from agent.profile import parse_profile
 
 profile_path, model, quant, state, phase = sys.argv[1:6]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.modeldir import demo_model_dir
+from agent.model.directory import demo_model_dir
 from tests.daemon_harness import NotifyListener
 
 

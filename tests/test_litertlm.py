@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from agent.base.errors import ModelFormatError
 from agent.engine.engine import Engine
 from agent.engine.sampler import SamplingParams
 from agent.engine.types import GenerateRequest
-from agent.errors import ModelFormatError
-from agent.modeldir import write_model_dir_metadata
-from agent.runtime.modelopen import open_model
+from agent.model.directory import write_model_dir_metadata
+from agent.model.open import open_model
 from tests.test_cli import cli
 
 PROMPT = "def main():\n    return 1\n"
@@ -407,7 +407,7 @@ def test_the_daemon_serves_a_bundle_as_given(
     extracted beside the daemon's weight cache in its state directory."""
     import sentencepiece as spm
 
-    from agent.rpc.client import build_request
+    from agent.api.grpc.client import build_request
     from tests.daemon_harness import Daemon
 
     d = Daemon(tmp_path, bundle)
@@ -468,7 +468,7 @@ def test_chat_with_a_bundles_prefix_suffix_template(
     as LiteRT-LM builds it; its greedy answer is the plain Interpreter loop's on those ids."""
     import sentencepiece as spm
 
-    from agent.engine.types import ChatMessage
+    from agent.chat.types import ChatMessage
 
     def md(m: Any) -> None:
         m.prompt_templates.user.prefix = "user: "

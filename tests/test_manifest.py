@@ -12,12 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.ota import keys
-from agent.ota.manifest import (
+from agent.ota.artifact import keys
+from agent.ota.artifact.manifest import (
     CLOCK_SKEW_S,
     CODES,
     InstallContext,
@@ -25,8 +26,7 @@ from agent.ota.manifest import (
     check,
     version_tuple,
 )
-from agent.ota.signing import canonical, sign, verify
-from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
+from agent.ota.artifact.signing import canonical, sign, verify
 
 NOW = 1_750_000_000.0
 OLD_KEY = Ed25519PrivateKey.generate()

@@ -18,13 +18,13 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.api.grpc.client import Client, build_request
 from agent.daemon import Daemon, Overrides
 from agent.engine.stats import EngineStats, ModelInfo, Percentiles
 from agent.engine.types import RequestStats, TierStats, TokenEvent
-from agent.metrics import Metrics
-from agent.rpc.client import Client, build_request
 from agent.runtime.plan import MemoryPlan
-from agent.status import AgentStatus
+from agent.status.metrics import Metrics
+from agent.status.value import AgentStatus
 
 MIB = 1 << 20
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -205,7 +205,7 @@ def test_a_status_that_fails_leaves_the_scrape_working(caplog: pytest.LogCapture
 
     m = Metrics(broken)
     m.refused("grpc")
-    with caplog.at_level(logging.WARNING, logger="agent.metrics"):
+    with caplog.at_level(logging.WARNING, logger="agent.status.metrics"):
         s, _ = scrape(m)
     assert value(s, "edge_agent_requests_total", api="grpc", outcome="refused") == 1
     assert "engine gone" in caplog.text

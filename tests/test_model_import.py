@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from agent.errors import ModelFormatError
-from agent.modeldir import load_model_dir
+from agent.base.errors import ModelFormatError
+from agent.model.directory import load_model_dir
 from agent.modelimport import import_model
 from tests.test_cli import cli
 from tests.test_litertlm import BOS, EOS, KV, PROMPT, build_bundle, greedy, reference_greedy
@@ -389,16 +389,16 @@ def test_quantization_is_read_from_the_weights(
     tiny_model_factory: Any, options: dict[str, Any], made_as: str
 ) -> None:
     """What the toolchain made (agent/toolchain/quantize.py recipes) is what the weights say."""
-    from agent.runtime.modelfacts import quantization_of
-    from agent.runtime.modelfile import read_model_file
+    from agent.model.facts import quantization_of
+    from agent.model.tflite.file import read_model_file
 
     path = Path(tiny_model_factory(quantization=made_as, **options))
     assert quantization_of(read_model_file(path)) == made_as
 
 
 def test_fp16_is_not_fp32(variants: dict[str, Path]) -> None:
-    from agent.runtime.modelfacts import quantization_of
-    from agent.runtime.modelfile import read_model_file
+    from agent.model.facts import quantization_of
+    from agent.model.tflite.file import read_model_file
 
     assert quantization_of(read_model_file(variants["fp16"])) == "fp16"
     assert quantization_of(read_model_file(variants["fp32"])) == "fp32"

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from agent.modeldir import load_model_dir
+from agent.model.directory import load_model_dir
 from tests.test_cli import cli
 from tests.test_litertlm import KV, PROMPT, greedy, reference_greedy
 

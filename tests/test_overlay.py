@@ -1,4 +1,5 @@
-"""The prepared copy as an overlay on the original flatbuffer (`agent.runtime.overlay`): a model
+"""The prepared copy as an overlay on the original flatbuffer (`agent.runtime.prepare.overlay`): a
+model
 whose weights are stored after its flatbuffer (offset/size, as the toolchain exports them)
 keeps every weight byte at an offset of the same alignment, and its first load checks and
 serves the copy."""
@@ -10,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
+from agent.model.tflite.file import read_model_file
+from agent.model.tflite.schema import schema
 from agent.runtime import litert
-from agent.runtime.inline import _flatbuffer_end, prepare_file
-from agent.runtime.modelfile import read_model_file
-from agent.runtime.schema import schema
+from agent.runtime.prepare.inline import _flatbuffer_end, prepare_file
 
 
 def _external(path: Path) -> list[tuple[int, int, bytes]]:

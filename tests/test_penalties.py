@@ -21,9 +21,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agent.base.errors import InvalidRequest
 from agent.engine.penalties import Penalties
 from agent.engine.sampler import Sampler, SamplingParams
-from agent.errors import InvalidRequest
 from tests.daemon_harness import Daemon
 from tests.test_speculation import VERIFY, NoRepeat, open_engine, run_fake, same
 
@@ -385,7 +385,8 @@ def test_real_constrained_bias_stays_in_the_grammar(engine: Any, always: None) -
     choice changes the answer, which still matches; speculation on and off agree."""
     import re
 
-    from agent.engine.types import Constraint, GenerateRequest
+    from agent.constraint.types import Constraint
+    from agent.engine.types import GenerateRequest
 
     pattern = "(abc |def )+"
     constraint = Constraint("regex", pattern)
@@ -565,9 +566,9 @@ def test_client_flags_reach_the_grpc_request() -> None:
     fields stay unset (the daemon's defaults: off)."""
     import argparse
 
+    from agent.api.grpc.client import build_request
     from agent.cli.client import add_client_parser
     from agent.cli.common import penalty_fields
-    from agent.rpc.client import build_request
 
     parser = argparse.ArgumentParser()
     add_client_parser(parser.add_subparsers())

@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.errors import AcceleratorError
-from agent.runtime import cachefiles, inline, litert
+from agent.base.errors import AcceleratorError
+from agent.runtime import litert
+from agent.runtime.prepare import cachefiles, inline
 
 PROMPT = [1, 17, 33, 5, 200, 9, 41, 42, 43, 7]
 STEPS = 16
@@ -194,7 +195,7 @@ def _poison(src: Path, dst: Path) -> None:
 
 def nan_model_dir(tiny_model_factory, tmp_path: Path) -> Path:
     """A model directory (fp32, tiny) whose every logit is NaN, with metadata that matches it."""
-    from agent.modeldir import load_model_dir, write_model_dir_metadata
+    from agent.model.directory import load_model_dir, write_model_dir_metadata
 
     src = tiny_model_factory.model_dir(quantizations=("fp32",), prefill_lens=(8,), kv_max=64)
     d = tmp_path / "nan-model"

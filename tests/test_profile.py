@@ -14,8 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.errors import ConfigError, ProfileNotFound
-from agent.modeldir import QUANTIZATIONS
+from agent.base.errors import ConfigError, ProfileNotFound
+from agent.base.tomltable import MISSING
+from agent.model.directory import QUANTIZATIONS
 from agent.profile import (
     PROFILES_ENV,
     DeviceProfile,
@@ -30,7 +31,6 @@ from agent.profile import (
     quantization_preference,
     resolve_profile,
 )
-from agent.tomltable import MISSING
 
 MiB = 1 << 20
 GiB = 1 << 30

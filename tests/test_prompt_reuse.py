@@ -15,11 +15,12 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from agent.chat.types import ChatMessage
 from agent.engine.engine import Engine, EngineLimits
 from agent.engine.loading import estimate_memory
 from agent.engine.sampler import SamplingParams
-from agent.engine.types import ChatMessage, GenerateRequest
-from agent.modeldir import demo_model_dir
+from agent.engine.types import GenerateRequest
+from agent.model.directory import demo_model_dir
 
 GREEDY = SamplingParams(0.0)
 MIB = 1 << 20

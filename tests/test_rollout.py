@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import parse_broker
-from agent.fleet import rollout_plan as plan
+from agent.config.file import parse_broker
 from agent.fleet.mqtt import MqttOptions
-from agent.fleet.rollout import create_rollout, request, retry_failed, run_rollout
-from agent.fleet.rollout_report import RolloutReport
-from agent.fleet.rollout_state import State, Target
-from agent.fleet.rollout_store import RolloutStore
+from agent.operator.rollout import plan
+from agent.operator.rollout.report import RolloutReport
+from agent.operator.rollout.run import create_rollout, request, retry_failed, run_rollout
+from agent.operator.rollout.state import State, Target
+from agent.operator.rollout.store import RolloutStore
 from tests.broker import Mosquitto
 from tests.fleetsim import FleetSim, SimDevice, SimModels
 

@@ -1,4 +1,4 @@
-"""The rollout's pure rules (agent/fleet/rollout_plan.py), its state file and lock
+"""The rollout's pure rules (agent/operator/rollout/plan.py), its state file and lock
 (rollout_store.py) and report: waves, hash order, quotas, the threshold, soak, retries, and
 that no crash between the state's write and the offers can lead to a second offer."""
 
@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.fleet import rollout_plan as plan
-from agent.fleet.rollout_plan import Heard, Seen
-from agent.fleet.rollout_report import report
-from agent.fleet.rollout_state import (
+from agent.operator.rollout import plan
+from agent.operator.rollout.plan import Heard, Seen
+from agent.operator.rollout.report import report
+from agent.operator.rollout.state import (
     Device,
     Rollout,
     RolloutError,
@@ -29,7 +29,7 @@ from agent.fleet.rollout_state import (
     parse_waves,
     to_json,
 )
-from agent.fleet.rollout_store import RolloutBusy, RolloutStore
+from agent.operator.rollout.store import RolloutBusy, RolloutStore
 
 UPDATE = "u-7"
 T0 = 1_800_000_000.0

@@ -10,10 +10,10 @@ import json
 import shutil
 from pathlib import Path
 
-from agent.fleet.rollout import create_rollout
-from agent.fleet.rollout_state import Target
-from agent.modeldir import load_model_dir, write_model_dir_metadata
-from agent.ota.bundle import make_bundle
+from agent.model.directory import load_model_dir, write_model_dir_metadata
+from agent.operator.rollout.run import create_rollout
+from agent.operator.rollout.state import Target
+from agent.ota.artifact.bundle import make_bundle
 from tests.broker import Mosquitto
 from tests.fleetsim import SimDevice, SimModels
 from tests.test_rollout import broker, config, conn, edge_agent, models, opts, sim

@@ -11,13 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.errors import AcceleratorError, BudgetError, ModelFormatError
-from agent.runtime import cachefiles, litert, modelfile
-from agent.runtime.layout import discover_layout
+from agent.base.errors import AcceleratorError, BudgetError, ModelFormatError
+from agent.model.tflite import file as modelfile
+from agent.model.tflite.file import read_model_file
+from agent.model.tflite.layout import discover_layout
+from agent.runtime import litert
 from agent.runtime.memory import keep_large_buffers_mapped
-from agent.runtime.modelfile import read_model_file
 from agent.runtime.plan import check_budget, plan_memory, plan_prefill
-from agent.runtime.prepared import PreparedModel
+from agent.runtime.prepare import cachefiles
+from agent.runtime.prepare.model import PreparedModel
 from tests.tiny_models import LEGACY
 
 P = f"p{cachefiles.PREPARED_FORMAT}"  # the prepared copies' format, in their names
@@ -420,7 +422,7 @@ def test_xnnpack_weight_cache_file_is_written_reused_and_pruned(
 def test_composites_are_inlined_for_xnnpack(tiny_model_factory, dev_profile, tmp_path) -> None:
     """Every STABLEHLO_COMPOSITE op is replaced by its decomposition: the same signatures and
     weights, no composite left, and the same logits."""
-    from agent.runtime.inline import prepare_file
+    from agent.runtime.prepare.inline import prepare_file
 
     path = tiny_model_factory(
         layout="transposed", prefill_lens=(8, 16), kv_max=64, quantization="int8"

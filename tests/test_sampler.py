@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agent.base.errors import InvalidRequest, NonFiniteLogits
 from agent.engine.sampler import Sampler, SamplingParams
-from agent.errors import InvalidRequest, NonFiniteLogits
 
 logit_arrays = st.lists(st.floats(-20, 20, allow_nan=False, width=32), min_size=2, max_size=64).map(
     lambda xs: np.array(xs, dtype=np.float32)

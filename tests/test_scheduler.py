@@ -7,11 +7,11 @@ import time
 
 import pytest
 
+from agent.base.errors import Overloaded, Unavailable
 from agent.engine.engine import Engine, EngineLimits
 from agent.engine.sampler import SamplingParams
 from agent.engine.scheduler import Scheduler
 from agent.engine.types import GenerateRequest
-from agent.errors import Overloaded, Unavailable
 
 
 def test_round_robin_with_fifo_admission() -> None:

@@ -19,13 +19,14 @@ import jsonschema
 import numpy as np
 import pytest
 
-from agent.engine.constrain import ConstraintCompiler
+from agent.base.errors import AgentError, InvalidRequest
+from agent.constraint.compiler import ConstraintCompiler
+from agent.constraint.types import Constraint
 from agent.engine.engine import Engine
 from agent.engine.sampler import Sampler, SamplingParams
-from agent.engine.types import Constraint, GenerateRequest
-from agent.errors import AgentError, InvalidRequest
-from agent.runtime.tokenizer import Tokenizer
-from agent.runtime.tokenizer_load import load_tokenizer
+from agent.engine.types import GenerateRequest
+from agent.tokenizer.base import Tokenizer
+from agent.tokenizer.load import load_tokenizer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "schemas"
 
@@ -314,7 +315,7 @@ def test_min_properties_count_distinct_keys(compiler, tok) -> None:
 
 def test_when_only_a_repeat_could_go_on_the_request_fails_clearly(compiler, tok) -> None:
     """``^(a|b+)$``: after ``"a"`` is used, ``"a`` can only close as a repeat."""
-    from agent.errors import ConstraintFailed
+    from agent.base.errors import ConstraintFailed
 
     schema = {
         "type": "object",
@@ -479,8 +480,8 @@ def test_integer_bounds_are_exact(compiler, tok, bound: int) -> None:
 def test_the_final_check_turns_a_wrong_output_into_an_error(tok, compiler) -> None:
     """A grammar state whose output breaks the schema it is checked against (never the case
     by construction): the stop ends in an error, not in a silent "stop"."""
-    from agent.engine.json_keys import DistinctKeys, check_output, loads_distinct
-    from agent.errors import ConstraintFailed
+    from agent.base.errors import ConstraintFailed
+    from agent.constraint.json_keys import DistinctKeys, check_output, loads_distinct
 
     assert check_output(b'{"a":1}', {"type": "object"}) is None
     assert "twice" in (check_output(b'{"a":1,"a":2}', {"type": "object"}) or "")

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from agent.base.errors import ContextOverflow, InvalidRequest, NotFound, SessionLost
 from agent.engine.engine import Engine, EngineLimits
 from agent.engine.loading import estimate_memory
 from agent.engine.sampler import SamplingParams
 from agent.engine.types import GenerateRequest
-from agent.errors import ContextOverflow, InvalidRequest, NotFound, SessionLost
-from agent.modeldir import demo_model_dir
-from agent.runtime.layout import discover_layout
-from agent.runtime.modelfile import read_model_file
+from agent.model.directory import demo_model_dir
+from agent.model.tflite.file import read_model_file
+from agent.model.tflite.layout import discover_layout
 
 GREEDY = SamplingParams(0.0)
 TURNS = ["def f(x):", "\n    return", "\n\nclass A:"]

@@ -21,6 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agent.base.errors import InvalidRequest, NonFiniteLogits
 from agent.engine.drafts import PromptLookup
 from agent.engine.generation import Generation
 from agent.engine.sampler import Sampler, SamplingParams
@@ -36,7 +37,6 @@ from agent.engine.speculation import (
     speculation_mode,
 )
 from agent.engine.types import TokenEvent
-from agent.errors import InvalidRequest, NonFiniteLogits
 
 # ---------------------------------------------------------------------- drafter
 
@@ -270,7 +270,7 @@ def test_speculation_mode() -> None:
 
 
 def test_profile_key(make_profile, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from agent.errors import ConfigError
+    from agent.base.errors import ConfigError
 
     assert make_profile().generation.speculation == "ngram"
     assert make_profile(generation={"speculation": "off"}).generation.speculation == "off"
@@ -716,7 +716,7 @@ def test_session_turns_identical(verify_dir, dev_profile_data, always) -> None: 
 
 
 def test_constrained_identical(verify_dir, dev_profile_data, always) -> None:  # type: ignore[no-untyped-def]
-    from agent.engine.types import Constraint
+    from agent.constraint.types import Constraint
 
     engine = open_engine(verify_dir, dev_profile_data)
     try:
@@ -795,10 +795,10 @@ def test_cli_generate_speculation_and_json_stats(verify_dir, tmp_path) -> None: 
 def test_grpc_conversions() -> None:
     from types import SimpleNamespace
 
+    from agent.api.grpc.convert import to_request, to_response
     from agent.engine.types import RequestStats
     from agent.pb.edge_agent.v1 import agent_pb2 as pb
     from agent.profile.schema import GenerationDefaults
-    from agent.rpc.convert import to_request, to_response
 
     engine = SimpleNamespace(profile=SimpleNamespace(generation=GenerationDefaults(8, 0, 0, 1, 64)))
     msg = pb.GenerateRequest(prompt="x", speculation="off")
@@ -814,10 +814,10 @@ def test_grpc_conversions() -> None:
 def test_http_conversions() -> None:
     from types import SimpleNamespace
 
+    from agent.api.http.convert import completion_request
+    from agent.api.http.errors import HttpError
+    from agent.api.http.replies import usage
     from agent.engine.types import RequestStats
-    from agent.http.convert import completion_request
-    from agent.http.errors import HttpError
-    from agent.http.replies import usage
     from agent.profile.schema import GenerationDefaults
 
     engine = SimpleNamespace(profile=SimpleNamespace(generation=GenerationDefaults(8, 0, 0, 1, 64)))
@@ -874,8 +874,8 @@ def test_client_commands_pass_speculation_to_the_daemon() -> None:
     the field stays empty (the daemon's profile decides)."""
     import argparse
 
+    from agent.api.grpc.client import build_request
     from agent.cli.client import add_client_parser
-    from agent.rpc.client import build_request
 
     parser = argparse.ArgumentParser()
     add_client_parser(parser.add_subparsers())

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import grpc
 
+from agent.api.grpc.client import build_request
 from agent.pb.edge_agent.v1 import agent_pb2_grpc as pb_grpc
-from agent.rpc.client import build_request
 from tests.daemon_harness import Daemon
 from tests.endless import endless_model_dir
 from tests.test_drain import ONE_BYTE_WINDOW

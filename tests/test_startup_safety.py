@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from agent.api.grpc.client import Client, build_request
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
-from agent.rpc.client import Client, build_request
 from tests.daemon_harness import Daemon
 
 PROFILE = "generic-x86_64"

@@ -82,12 +82,12 @@ def test_an_end_with_nothing_held_and_one_token_per_event_pass_through_as_they_a
 
 
 def test_the_stream_pipe_waits_for_its_interval_only_while_few_events_wait() -> None:
-    """agent.rpc.stream.EventPipe with an interval of an hour: the first event, `flush_at`
+    """agent.api.grpc.stream.EventPipe with an interval of an hour: the first event, `flush_at`
     waiting events and the last event go out at once (a pipe that waited for the interval
     would hang here until the 60 s limit); fewer wait for the interval."""
     import asyncio
 
-    from agent.rpc.stream import EventPipe
+    from agent.api.grpc.stream import EventPipe
 
     def ev(i: int, end: str | None = None) -> TokenEvent:
         return TokenEvent(str(i), (i,), finish_reason=end)

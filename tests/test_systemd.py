@@ -1,4 +1,5 @@
-"""agent.systemd: the notify protocol on real AF_UNIX datagram sockets, and journald logging."""
+"""agent.systemd.notify: the notify protocol on real AF_UNIX datagram sockets, and journald
+logging."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from pathlib import Path
 import pytest
 
 import agent
-from agent.errors import ConfigError
-from agent.systemd import (
+from agent.base.errors import ConfigError
+from agent.systemd.notify import (
     Notifier,
     configure_logging,
     journal_fields,
@@ -108,7 +109,7 @@ def test_one_log_line_per_transition_none_per_ping(
     notifier_on: tuple[Notifier, socket.socket], caplog: pytest.LogCaptureFixture
 ) -> None:
     notifier = notifier_on[0]
-    caplog.set_level(logging.DEBUG, logger="agent.systemd")
+    caplog.set_level(logging.DEBUG, logger="agent.systemd.notify")
     notifier.ready("up")
     for _ in range(5):
         notifier.watchdog()
@@ -203,7 +204,7 @@ def test_socket_going_away_is_logged_once_and_never_raised(
     sock.close()
     os.unlink(path)
 
-    caplog.set_level(logging.INFO, logger="agent.systemd")
+    caplog.set_level(logging.INFO, logger="agent.systemd.notify")
     caplog.clear()
     notifier.status("still here")
     notifier.watchdog()
@@ -387,7 +388,7 @@ def test_syslog_priority(level: int, priority: int) -> None:
 _JOURNAL_CHILD = textwrap.dedent(
     """
     import json, logging, os, socket, sys
-    from agent.systemd import configure_logging
+    from agent.systemd.notify import configure_logging
 
     os.makedirs("/run/systemd/journal", exist_ok=True)
     sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

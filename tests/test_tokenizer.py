@@ -15,11 +15,11 @@ import sentencepiece as spm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.errors import InvalidRequest, ModelFormatError
-from agent.modeldir import demo_model_dir
-from agent.runtime.tokenizer import TokenizerConfig
-from agent.runtime.tokenizer_load import load_tokenizer
-from agent.runtime.tokenizer_sp import SentencePieceTokenizer as Tokenizer
+from agent.base.errors import InvalidRequest, ModelFormatError
+from agent.model.directory import demo_model_dir
+from agent.tokenizer.base import TokenizerConfig
+from agent.tokenizer.load import load_tokenizer
+from agent.tokenizer.sentencepiece import SentencePieceTokenizer as Tokenizer
 
 # U+2581 is SentencePiece's own space marker; text containing it cannot round-trip by design.
 texts = st.text(st.characters(blacklist_characters="\u2581", blacklist_categories=("Cs",)))

@@ -1,4 +1,4 @@
-"""Tool calls (agent/engine/toolcalls.py, agent/engine/chat.py): each family's parser on the
+"""Tool calls (agent/chat/toolcalls.py, agent/chat/template.py): each family's parser on the
 literal outputs its documentation shows; tools, an assistant's calls and a tool's result
 rendered by real templates exactly as transformers renders them; `required` / a named
 function constrained on the tiny random-weight models, so even a model that never saw a tool
@@ -13,13 +13,15 @@ import jsonschema
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from agent.engine.chat import ChatTemplate, chat_ids
+from agent.base.errors import InvalidRequest
+from agent.chat.template import ChatTemplate, chat_ids
+from agent.chat.toolcalls import call_schema, format_of, parse, parse_constrained
+from agent.chat.types import ChatMessage, Tool, ToolCall
+from agent.constraint.types import Constraint
 from agent.engine.engine import Engine
 from agent.engine.sampler import SamplingParams
-from agent.engine.toolcalls import call_schema, format_of, parse, parse_constrained
-from agent.engine.types import ChatMessage, Constraint, GenerateRequest, Tool, ToolCall
-from agent.errors import InvalidRequest
-from agent.runtime.tokenizer_load import load_tokenizer
+from agent.engine.types import GenerateRequest
+from agent.tokenizer.load import load_tokenizer
 from tests.test_chat import BOS, EOS, NAMES, make_chat_dir, source
 
 WEATHER = {
@@ -478,7 +480,7 @@ def test_tool_messages_on_the_old_template_form_are_refused(sp) -> None:
 
 
 def test_assistant_message_maps_each_family_to_openai_tool_calls() -> None:
-    from agent.http.replies import assistant_message, tool_delta
+    from agent.api.http.replies import assistant_message, tool_delta
 
     hermes = 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
     message, reason = assistant_message(hermes, "hermes", "stop")

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.toolchain
 
 pytest.importorskip("litert_torch", reason="needs the toolchain extra (litert-torch)")
 
-from agent.modeldir import load_model_dir, sha256_file  # noqa: E402
+from agent.model.directory import load_model_dir, sha256_file  # noqa: E402
 from agent.toolchain.config import TINY_SPEC, DecoderSpec  # noqa: E402
 from agent.toolchain.export import ExportOptions, build_torch_model  # noqa: E402
 from agent.toolchain.quantize import check_block_divides  # noqa: E402

@@ -1,4 +1,5 @@
-"""agent.units and systemd/: real systemd-analyze on the shipped unit and generated drop-ins."""
+"""agent.systemd.units and systemd/: real systemd-analyze on the shipped unit and generated
+drop-ins."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.errors import ConfigError
+from agent.base.errors import ConfigError
 from agent.profile import DeviceProfile, load_profile, profiles_dir
-from agent.units import (
+from agent.systemd.units import (
     DROPIN_NAME,
     UNIT_NAME,
     install,

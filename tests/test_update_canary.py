@@ -18,10 +18,11 @@ import pytest
 import sentencepiece as spm
 from google.protobuf.json_format import MessageToDict
 
-from agent.modeldir import demo_model_dir, load_model_dir
-from agent.ota import canary, keys
-from agent.ota.bundle import make_bundle, read_bundle
-from agent.ota.signing import verify
+from agent.model.directory import demo_model_dir, load_model_dir
+from agent.ota import canary
+from agent.ota.artifact import keys
+from agent.ota.artifact.bundle import make_bundle, read_bundle
+from agent.ota.artifact.signing import verify
 from agent.profile import resolve_profile
 from tests.broker import Mosquitto
 from tests.test_bundle import _run
@@ -205,7 +206,7 @@ def test_a_device_rolls_back_garbage_with_the_default_canary_and_commits_a_fine_
     check) and for the fine-tune (made with the CLI)."""
     from agent.daemon.canary import engine_model
     from agent.engine.engine import Engine
-    from agent.fleet.publish import publish_update
+    from agent.operator.publish import publish_update
 
     base = Engine(resolve_profile(PROFILE)[0], dirs["base"])
     try:

@@ -1,4 +1,5 @@
-"""Signed cancels (agent/ota/cancel.py): made and checked with real Ed25519 keys; the signature
+"""Signed cancels (agent/ota/artifact/cancel.py): made and checked with real Ed25519 keys; the
+signature
 is checked with `cryptography` directly over the documented bytes, not through our verifier."""
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ import pytest
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from agent.ota.cancel import CANCEL_CONTEXT, check_cancellable, sign_cancel, verify_cancel
-from agent.ota.keys import key_id
-from agent.ota.manifest import UpdateRejected
-from agent.ota.signing import canonical, sign
+from agent.ota.artifact.cancel import CANCEL_CONTEXT, check_cancellable, sign_cancel, verify_cancel
+from agent.ota.artifact.keys import key_id
+from agent.ota.artifact.manifest import UpdateRejected
+from agent.ota.artifact.signing import canonical, sign
 from agent.ota.updater import CANCELLABLE
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 

@@ -22,23 +22,23 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-from agent import __version__
-from agent.clock import Clock
-from agent.config import UpdatesConfig
-from agent.errors import AgentError
-from agent.fleet.operator import send
-from agent.fleet.operator_link import FleetError
-from agent.fleet.topics import Topics
-from agent.modeldir import load_model_dir
-from agent.ota import updater as updater_module
-from agent.ota.bundle import read_bundle
-from agent.ota.cancel import sign_cancel
-from agent.ota.manifest import InstallContext
-from agent.ota.store import ModelRef, Store
-from agent.ota.updater import Updater
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
+
+from agent import __version__
+from agent.base.clock import Clock
+from agent.base.errors import AgentError
+from agent.config.file import UpdatesConfig
+from agent.fleet.topics import Topics
+from agent.model.directory import load_model_dir
+from agent.operator.client import send
+from agent.operator.link import FleetError
+from agent.ota import updater as updater_module
+from agent.ota.artifact.bundle import read_bundle
+from agent.ota.artifact.cancel import sign_cancel
+from agent.ota.artifact.manifest import InstallContext
+from agent.ota.store import ModelRef, Store
+from agent.ota.updater import Updater
 from tests import test_updates
 from tests.daemon_harness import Daemon
 from tests.fleetsim import model_ref

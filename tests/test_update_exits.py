@@ -12,15 +12,15 @@ import sys
 import time
 from pathlib import Path
 
-from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
-
-from agent.fleet.operator import send
-from agent.fleet.topics import Topics
-from agent.ota.bundle import read_bundle
-from agent.ota.cancel import sign_cancel
-from agent.ota.store import Store
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+
+from agent.fleet.topics import Topics
+from agent.operator.client import send
+from agent.ota.artifact.bundle import read_bundle
+from agent.ota.artifact.cancel import sign_cancel
+from agent.ota.store import Store
 from tests import test_updates
 from tests.daemon_harness import Daemon
 from tests.httpserver import PayloadServer, Served

@@ -16,19 +16,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-from agent.fleet.operator import send
-from agent.fleet.operator_link import FleetError
-from agent.fleet.publish import publish_update
-from agent.fleet.topics import Topics
-from agent.modeldir import load_model_dir
-from agent.ota import keys
-from agent.ota.bundle import make_bundle, read_bundle
-from agent.ota.fetch import CHUNK
-from agent.ota.signing import sign
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from agent.fleet.topics import Topics
+from agent.model.directory import load_model_dir
+from agent.operator.client import send
+from agent.operator.link import FleetError
+from agent.operator.publish import publish_update
+from agent.ota.artifact import keys
+from agent.ota.artifact.bundle import make_bundle, read_bundle
+from agent.ota.artifact.signing import sign
+from agent.ota.fetch import CHUNK
 from tests.broker import Mosquitto
 from tests.daemon_harness import Daemon
 from tests.httpserver import PayloadServer, Served

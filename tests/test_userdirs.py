@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from agent.base.userdirs import cache_dir
 from agent.profile import resolve_profile
-from agent.userdirs import cache_dir, one_shot_profile
+from agent.profile.oneshot import one_shot_profile
 
 
 @pytest.fixture

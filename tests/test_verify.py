@@ -12,13 +12,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agent.errors import ModelFormatError
-from agent.runtime import cachefiles, litert
-from agent.runtime import layout as kv_layout
+from agent.base.errors import ModelFormatError
+from agent.model.tflite import layout as kv_layout
+from agent.model.tflite.file import read_model_file
+from agent.model.tflite.layout import KVLayout, Signature, Window, discover_layout
+from agent.runtime import litert
 from agent.runtime.costs import OUTLIER, SKIP, SPAN, CallCosts, RunningMean
-from agent.runtime.layout import KVLayout, Signature, Window, discover_layout
-from agent.runtime.modelfile import read_model_file
 from agent.runtime.plan import CALL_COST_TOKENS, plan_prefill
+from agent.runtime.prepare import cachefiles
 
 VERIFY = (4, 8)
 TOKENS = [(37 * i + 5) % 256 for i in range(64)]
@@ -362,7 +363,7 @@ def test_plan_prefill_is_the_token_model_whatever_was_measured() -> None:
 def test_model_inspect_shows_verify_signatures_and_the_load_check(
     model, windowed, make_profile
 ) -> None:
-    from agent.runtime.inspect import format_report, inspect_report
+    from agent.cli.inspect_report import format_report, inspect_report
 
     report = inspect_report(windowed)
     assert report["llm"]["verify_lengths"] == [4, 8]

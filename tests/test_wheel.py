@@ -204,7 +204,7 @@ def _demo_dir(installed: Installed) -> str:
         [
             str(installed.venv / "bin" / "python"),
             "-c",
-            "from agent.modeldir import demo_model_dir; print(demo_model_dir())",
+            "from agent.model.directory import demo_model_dir; print(demo_model_dir())",
         ],
         capture_output=True,
         text=True,

@@ -227,7 +227,7 @@ class TinyModelFactory:
                 "verify_lens": list(verify_lens),
             }
             return _build_elsewhere(self.root, "model_dir", kwargs)
-        from agent.modeldir import write_model_dir_metadata
+        from agent.model.directory import write_model_dir_metadata
         from agent.toolchain.tokenizer import BOS_ID, EOS_ID
 
         key = hashlib.sha256(

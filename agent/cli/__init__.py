@@ -11,15 +11,16 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agent import __version__, exitcodes
+from agent import __version__
+from agent.base import exitcodes
+from agent.base.errors import AgentError
 from agent.cli.client import add_client_parser
-from agent.cli.fleet import add_fleet_parser
+from agent.cli.fleet.commands import add_fleet_parser
 from agent.cli.generate import add_generate_parser
 from agent.cli.model import add_model_parser
 from agent.cli.profile import add_profile_parser
 from agent.cli.run import add_run_parser
 from agent.cli.update import add_keys_parser, add_update_parser
-from agent.errors import AgentError
 
 log = logging.getLogger("agent.cli")
 
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from agent.units import register_cli
+    from agent.systemd.units import register_cli
 
     add_profile_parser(sub)
     add_model_parser(sub)
@@ -88,7 +89,7 @@ def main(
     args = build_parser().parse_args(argv)
     if not args.verbose:
         _silence_native_stderr()
-    from agent.systemd import configure_logging
+    from agent.systemd.notify import configure_logging
 
     configure_logging("info" if args.verbose else "warning", "stderr")
     if entry:

@@ -1,6 +1,6 @@
 """`edge-agent client ...`: the commands that talk to a running daemon over its socket:
 generate and chat (streamed), info, status, health, and sessions. The exit code says how the
-call ended (agent.exitcodes)."""
+call ended (agent.base.exitcodes)."""
 
 from __future__ import annotations
 
@@ -12,19 +12,19 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from agent import exitcodes
+from agent.base import exitcodes
 from agent.cli.client_text import ago, socket_of, summary, text_arg
 from agent.cli.common import _sampling_args, penalty_fields
 
 if TYPE_CHECKING:
-    from agent.rpc.client import SessionEntry
+    from agent.api.grpc.client import SessionEntry
 
 
 def _client(args: argparse.Namespace, owned: bool = False):  # type: ignore[no-untyped-def]
     """A client for the daemon; with the caller's client key when the command touches
     sessions (`owned`) or a key was given."""
-    from agent.rpc.client import Client
-    from agent.rpc.identity import resolve_key
+    from agent.api.grpc.client import Client
+    from agent.api.identity import resolve_key
 
     key = resolve_key(args.client_key) if owned or args.client_key is not None else None
     return Client(socket_of(args), timeout=args.timeout, client_key=key)
@@ -46,7 +46,7 @@ def generate(
     """
     import grpc
 
-    from agent.rpc.client import Partial, build_request, failure_of, reply_json
+    from agent.api.grpc.client import Partial, build_request, failure_of, reply_json
 
     client = _client(args, owned=args.session is not None)
     request = build_request(
@@ -110,7 +110,7 @@ def cmd_client_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_client_chat(args: argparse.Namespace) -> int:
-    from agent.errors import InvalidRequest
+    from agent.base.errors import InvalidRequest
 
     chat: list[tuple[str, str]] = []
     if args.system:
@@ -131,7 +131,7 @@ def cmd_client_chat(args: argparse.Namespace) -> int:
 def _client_unary(args: argparse.Namespace, call: str) -> int:
     import grpc
 
-    from agent.rpc.client import failure_of
+    from agent.api.grpc.client import failure_of
 
     client = _client(args)
     try:
@@ -180,7 +180,7 @@ def session_table(sessions: Sequence[SessionEntry], now: float) -> str:
 def cmd_client_session(args: argparse.Namespace) -> int:
     import grpc
 
-    from agent.rpc.client import failure_of
+    from agent.api.grpc.client import failure_of
 
     client = _client(args, owned=True)
     try:

@@ -16,7 +16,7 @@ import contextlib
 import sys
 from collections.abc import Callable
 
-from agent import exitcodes
+from agent.base import exitcodes
 
 Generate = Callable[[argparse.Namespace, list[tuple[str, str]], str | None], tuple[int, str]]
 FENCE = '"""'
@@ -27,7 +27,7 @@ def interactive(args: argparse.Namespace, chat: list[tuple[str, str]], generate:
     if tty:
         with contextlib.suppress(ImportError):
             import readline  # noqa: F401  (line editing and history for input())
-        print(f'chat with the daemon; Ctrl-D leaves, {FENCE} for several lines', file=sys.stderr)
+        print(f"chat with the daemon; Ctrl-D leaves, {FENCE} for several lines", file=sys.stderr)
     history = list(chat)
     while True:
         try:

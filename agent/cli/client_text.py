@@ -24,7 +24,7 @@ def text_arg(value: str) -> str:
 def socket_of(args: argparse.Namespace) -> str:
     """--socket, else $EDGE_AGENT_SOCKET, else `[server] socket` of --config (or of the
     daemon's /etc/edge-agent/agent.toml when this user may read it), else the default."""
-    from agent.config import DEFAULT_PATH, DEFAULT_SOCKET, load_config
+    from agent.config.file import DEFAULT_PATH, DEFAULT_SOCKET, load_config
 
     if args.socket:
         return str(args.socket)

@@ -8,7 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
-from agent import exitcodes
+from agent.base import exitcodes
 from agent.cli.client_text import text_arg
 from agent.cli.common import (
     _profile_arg,
@@ -21,9 +21,9 @@ from agent.cli.common import (
 
 def _open_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from agent.engine.engine import Engine
-    from agent.modeldir import demo_model_dir
+    from agent.model.directory import demo_model_dir
     from agent.profile import log_reasons
-    from agent.userdirs import one_shot_profile
+    from agent.profile.oneshot import one_shot_profile
 
     profile, reasons = _resolve(args)
     log_reasons(profile.name, reasons, detected=_profile_name(args) is None)

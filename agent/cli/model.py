@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.cli.common import _profile_arg
-from agent.ota.delta import (
+from agent.ota.delta.files import (
     DEFAULT_LEVEL,
     DeltaError,
     diff_dirs,
@@ -30,19 +30,19 @@ from agent.ota.delta import (
 
 
 def cmd_model_inspect(args: argparse.Namespace) -> int:
-    from agent.runtime.inspect import inspect_report
+    from agent.cli.inspect_report import inspect_report
 
     check = None
     if args.check:  # load it as `generate` would: the profile, a one-shot weight cache
         from agent.cli.common import _resolve
-        from agent.userdirs import one_shot_profile
+        from agent.profile.oneshot import one_shot_profile
 
         check = one_shot_profile(_resolve(args)[0])
     report = inspect_report(Path(args.path), check)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        from agent.runtime.inspect import format_report
+        from agent.cli.inspect_report import format_report
 
         print(format_report(report))
     return 0

@@ -9,9 +9,9 @@ from agent.cli.common import _profile_arg, _profile_name
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from agent.config import load_config
+    from agent.config.file import load_config
     from agent.daemon import Overrides, run_daemon
-    from agent.systemd import configure_logging
+    from agent.systemd.notify import configure_logging
 
     overrides = Overrides(
         config_path=Path(args.config) if args.config else None,

@@ -15,8 +15,8 @@ import re
 import sys
 from pathlib import Path
 
+from agent.base.errors import AgentError
 from agent.cli.common import _fail, parse_duration
-from agent.errors import AgentError
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 EXIT_FAILED = 1
@@ -28,7 +28,7 @@ DEFAULT_KEY_NAME = "update-signing"
 
 
 def cmd_keys_generate(args: argparse.Namespace) -> int:
-    from agent.ota.keys import PRIVATE_SUFFIX, PUBLIC_SUFFIX, generate
+    from agent.ota.artifact.keys import PRIVATE_SUFFIX, PUBLIC_SUFFIX, generate
 
     name = args.name
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
@@ -82,11 +82,11 @@ def _canary(args: argparse.Namespace, base_dir: Path, new_dir: Path) -> opb.Cana
     to check (docs/UPDATES.md, the canary)."""
     from agent.daemon.canary import engine_model
     from agent.engine.engine import Engine
-    from agent.modeldir import load_model_dir
+    from agent.model.directory import load_model_dir
     from agent.ota import canary
-    from agent.ota.bundle import BundleError, target_variant
+    from agent.ota.artifact.bundle import BundleError, target_variant
     from agent.profile import resolve_profile
-    from agent.userdirs import one_shot_profile
+    from agent.profile.oneshot import one_shot_profile
 
     profile, _ = resolve_profile(args.canary_profile or getattr(args, "profile", None))
     profile = one_shot_profile(profile)  # never the daemon's /var/cache
@@ -118,9 +118,9 @@ def _canary(args: argparse.Namespace, base_dir: Path, new_dir: Path) -> opb.Cana
 
 
 def cmd_update_make(args: argparse.Namespace) -> int:
-    from agent.ota.bundle import make_bundle
+    from agent.ota.artifact.bundle import make_bundle
+    from agent.ota.artifact.keys import load_private
     from agent.ota.inspection import describe, inspect
-    from agent.ota.keys import load_private
 
     try:
         expires_in = parse_duration(args.expires_in)
@@ -161,8 +161,8 @@ def cmd_update_make(args: argparse.Namespace) -> int:
 
 
 def cmd_update_inspect(args: argparse.Namespace) -> int:
+    from agent.ota.artifact.keys import load_trusted
     from agent.ota.inspection import describe, inspect
-    from agent.ota.keys import load_trusted
 
     try:
         trusted = load_trusted(Path(args.trusted_keys)) if args.trusted_keys else None

@@ -9,8 +9,8 @@ stays bound and no request is dropped. SIGTERM stops accepting, drains in-flight
 within the configured timeout, and exits.
 
 Start-up refuses, before it loads anything, what would harm the host or another daemon: the
-state directory is locked for the daemon's life (`agent.statelock`), and a socket path that is
-not a socket, is live, or has no parent is refused (`agent.rpc.unixsocket`); each is one line
+state directory is locked for the daemon's life (`agent.base.statelock`), and a socket path that is
+not a socket, is live, or has no parent is refused (`agent.api.unixsocket`); each is one line
 and exit 2, with nothing on the host changed.
 """
 
@@ -24,7 +24,11 @@ import time
 from typing import TYPE_CHECKING
 
 from agent import __version__
-from agent.config import http_socket, load_config
+from agent.api import ports, unixsocket
+from agent.api.grpc.server import Server
+from agent.base.errors import Unavailable
+from agent.base.statelock import StateLock
+from agent.config.file import http_socket, load_config
 from agent.daemon.plan import (
     Overrides,
     Plan,
@@ -40,21 +44,17 @@ from agent.daemon.signals import Requests
 from agent.daemon.updates import DaemonUpdateHost
 from agent.engine.engine import Engine
 from agent.engine.stats import ModelInfo
-from agent.errors import Unavailable
-from agent.fleet.agent import FleetAgent, resolve_device_id
-from agent.metrics import Metrics
+from agent.fleet.device.agent import FleetAgent, resolve_device_id
 from agent.ota.store import Store
 from agent.ota.updater import Updater
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
-from agent.rpc import ports, unixsocket
-from agent.rpc.server import Server
-from agent.statelock import StateLock
-from agent.status import AgentStatus, rss_bytes
-from agent.systemd import Notifier
+from agent.status.metrics import Metrics
+from agent.status.value import AgentStatus, rss_bytes
+from agent.systemd.notify import Notifier
 
 if TYPE_CHECKING:
-    from agent.http.server import HttpServer
+    from agent.api.http.server import HttpServer
 
 log = logging.getLogger("agent.daemon")  # the name its lines have always had ("ready in")
 
@@ -204,11 +204,11 @@ class Daemon:
         return 0
 
     async def _start_http(self) -> HttpServer | None:
-        """The OpenAI-compatible HTTP API (`agent.http`), unless `[http] listen = "off"`."""
+        """The OpenAI-compatible HTTP API (`agent.api.http`), unless `[http] listen = "off"`."""
         if not self.config.http.enabled:
             log.info('http: off ([http] listen = "off")')
             return None
-        from agent.http.server import HttpServer  # imported only when it serves (~5 MiB)
+        from agent.api.http.server import HttpServer  # imported only when it serves (~5 MiB)
 
         # counted beside gRPC's in the daemon's one registry; GET /metrics serves it
         http = HttpServer(self, self.config, self.config.limits.max_tokens, self.metrics)

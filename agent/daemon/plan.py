@@ -13,15 +13,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.config import AgentConfig, parse_broker
+from agent.base.errors import ConfigError
+from agent.config.file import AgentConfig, parse_broker
 from agent.engine.engine import Engine, EngineLimits
-from agent.errors import ConfigError
 from agent.fleet.topics import check_device_id
-from agent.modeldir import ModelMeta, demo_model_dir
+from agent.model.directory import ModelMeta, demo_model_dir
+from agent.model.open import open_model, unpack_cache_dir
 from agent.ota.store import ModelRef
 from agent.ota.updater import Updater
 from agent.profile import DeviceProfile, choose_quantization, resolve_profile
-from agent.runtime.modelopen import open_model, unpack_cache_dir
 
 log = logging.getLogger("agent.daemon")  # the daemon's lines keep one logger name
 
@@ -41,7 +41,7 @@ class Overrides:
     state_dir: Path | None = None
     broker: str | None = None  # mqtt://HOST:PORT | mqtts://HOST:PORT
     device_id: str | None = None
-    http: str | None = None  # "off" | PATH | HOST:PORT (`agent.config.parse_http_listen`)
+    http: str | None = None  # "off" | PATH | HOST:PORT (`agent.config.file.parse_http_listen`)
 
 
 def apply_overrides(config: AgentConfig, o: Overrides) -> AgentConfig:
@@ -49,7 +49,7 @@ def apply_overrides(config: AgentConfig, o: Overrides) -> AgentConfig:
     if o.socket is not None:
         server = dataclasses.replace(server, socket=o.socket)
     if o.tcp is not None:
-        from agent.config import check_tcp
+        from agent.config.file import check_tcp
 
         check_tcp("--tcp", "tcp", o.tcp, server.allow_remote_tcp)
         server = dataclasses.replace(server, tcp=o.tcp)
@@ -69,7 +69,7 @@ def apply_overrides(config: AgentConfig, o: Overrides) -> AgentConfig:
         fleet = dataclasses.replace(fleet, device_id=o.device_id)
     http = config.http
     if o.http is not None:
-        from agent.config import parse_http_listen
+        from agent.config.file import parse_http_listen
 
         http = parse_http_listen("--http", "http", o.http, server.allow_remote_tcp, http)
     return dataclasses.replace(config, server=server, model=model, fleet=fleet, http=http)

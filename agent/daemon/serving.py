@@ -14,11 +14,11 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable
 
+from agent.api.grpc.server import Server
+from agent.base.errors import AgentError
 from agent.daemon.plan import Plan
 from agent.engine.engine import Engine
 from agent.engine.loading import estimate_memory
-from agent.errors import AgentError
-from agent.rpc.server import Server
 
 log = logging.getLogger("agent.daemon")  # the daemon's lines keep one logger name
 

@@ -13,18 +13,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agent import __version__
-from agent.config import AgentConfig
+from agent.config.file import AgentConfig
 from agent.daemon.canary import engine_model
 from agent.daemon.plan import open_plan_model
 from agent.daemon.serving import Serving
-from agent.fleet.agent import FleetAgent
+from agent.fleet.device.agent import FleetAgent
 from agent.ota import canary
-from agent.ota.manifest import InstallContext
+from agent.ota.artifact.manifest import InstallContext
 from agent.ota.store import ModelRef
 from agent.ota.updater import Updater
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
-from agent.runtime.cachefiles import prune_weight_cache
+from agent.runtime.prepare.cachefiles import prune_weight_cache
 
 log = logging.getLogger("agent.daemon")  # the daemon's lines keep one logger name
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from agent.engine.request import Prepared
-from agent.engine.sessions import SessionStore
+from agent.engine.sessions.store import SessionStore
 from agent.kv.prefix import PrefixCache
 from agent.kv.snapshot import KVSnapshot
 from agent.runtime.runner import Runner

@@ -25,6 +25,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from agent.base.errors import (
+    AgentError,
+    ConstraintFailed,
+    NonFiniteLogits,
+    Overloaded,
+    SessionLost,
+    Unavailable,
+)
 from agent.engine.binding import PREFIX_BLOCK, bind, held_tokens, remember_prefix
 from agent.engine.generation import Generation
 from agent.engine.intake import Intake
@@ -34,21 +42,13 @@ from agent.engine.quotas import ClientQuotas
 from agent.engine.request import Prepared, RequestHandle, Sink, unstarted_stats
 from agent.engine.sampler import Sampler
 from agent.engine.scheduler import Scheduler
-from agent.engine.sessioncalls import SessionCalls
-from agent.engine.sessions import SessionStore, open_disk_tier
+from agent.engine.sessions.calls import SessionCalls
+from agent.engine.sessions.store import SessionStore, open_disk_tier
 from agent.engine.speculation import Acceptance, speculator_for
 from agent.engine.stats import EngineStats, Tally
 from agent.engine.stopping import STOPPING_CUT, Stopping
 from agent.engine.types import Completion, GenerateRequest, TokenEvent
 from agent.engine.types import EngineLimits as EngineLimits  # where callers import it from
-from agent.errors import (
-    AgentError,
-    ConstraintFailed,
-    NonFiniteLogits,
-    Overloaded,
-    SessionLost,
-    Unavailable,
-)
 from agent.kv.prefix import PrefixCache
 from agent.profile import DeviceProfile
 

@@ -12,12 +12,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from agent.base.errors import NonFiniteLogits
 from agent.engine.sampler import Sampler
 from agent.engine.speculation import Speculator
 from agent.engine.types import RequestStats, TokenEvent
-from agent.errors import NonFiniteLogits
 from agent.runtime.runner import KVCache, Runner
-from agent.runtime.tokenizer import DetokenizeStream
+from agent.tokenizer.base import DetokenizeStream
 
 
 class StopMatcher:

@@ -8,20 +8,20 @@ import threading
 import time
 from dataclasses import replace
 
-from agent.engine.chat import ChatTemplate, chat_ids, end_of_turn_ids
-from agent.engine.constrain import ConstraintCompiler
+from agent.base.errors import ContextOverflow, InvalidRequest, SessionBusy
+from agent.chat.template import ChatTemplate, chat_ids, end_of_turn_ids
+from agent.chat.toolcalls import request_constraint
+from agent.constraint.compiler import ConstraintCompiler
 from agent.engine.request import Prepared, RequestHandle
 from agent.engine.sampler import SamplingParams
-from agent.engine.session import fit_context
-from agent.engine.sessions import SessionStore
+from agent.engine.sessions.session import fit_context
+from agent.engine.sessions.store import SessionStore
 from agent.engine.speculation import speculation_mode
 from agent.engine.stats import ModelInfo
-from agent.engine.toolcalls import request_constraint
 from agent.engine.types import GenerateRequest
-from agent.errors import ContextOverflow, InvalidRequest, SessionBusy
-from agent.modeldir import ModelMeta
+from agent.model.directory import ModelMeta
 from agent.profile import DeviceProfile
-from agent.runtime.tokenizer import Tokenizer
+from agent.tokenizer.base import Tokenizer
 
 MAX_PROMPT_CHARS = 1 << 20
 
@@ -102,7 +102,7 @@ class Intake:
             temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p
         )
         sampling.validate(self.tokenizer.vocab_size)  # the ids the sampler sees (not padding)
-        # tool_choice "required" / a named function: the call's schema (agent.engine.toolcalls)
+        # tool_choice "required" / a named function: the call's schema (agent.chat.toolcalls)
         constraint = request_constraint(request) or request.constraint
         if constraint is not None:  # compiled (or refused) before it is queued
             sampling = replace(sampling, constraint=self.constraints().compile(constraint))

@@ -17,7 +17,9 @@ import numpy.typing as npt
 
 from agent.runtime.runner import KVCache
 
-log = logging.getLogger("agent.engine.sessions")  # moved from sessions.py: lines keep their name
+log = logging.getLogger(
+    "agent.engine.sessions.store"
+)  # moved from sessions.py: lines keep their name
 
 _NONE = np.zeros(0, dtype=np.int64)
 

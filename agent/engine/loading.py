@@ -7,17 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.engine.chat import ChatTemplate, end_of_turn_ids, template_for
+from agent.base.errors import ModelFormatError
+from agent.chat.template import ChatTemplate, end_of_turn_ids, template_for
 from agent.engine.stats import ModelInfo
-from agent.errors import ModelFormatError
-from agent.modeldir import ModelMeta, Variant, defining_files, model_digest, sha256_file
+from agent.model.directory import ModelMeta, Variant, defining_files, model_digest, sha256_file
+from agent.model.open import open_model, unpack_cache_dir
 from agent.profile import DeviceProfile, choose_quantization
 from agent.runtime import litert
-from agent.runtime.cachefiles import parse_cache
-from agent.runtime.modelopen import open_model, unpack_cache_dir
 from agent.runtime.plan import MemoryPlan, expected_plan
-from agent.runtime.tokenizer import Tokenizer
-from agent.runtime.tokenizer_load import load_tokenizer
+from agent.runtime.prepare.cachefiles import parse_cache
+from agent.tokenizer.base import Tokenizer
+from agent.tokenizer.load import load_tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +124,8 @@ def estimate_memory(
     """Bytes an engine for this model would plan for one session, without loading it: the KV
     windows its load would add included (`plan.expected_plan`). The reading of the file is
     kept where its load will look for it."""
-    from agent.runtime.layout import discover_layout
-    from agent.runtime.modelfile import read_model_file
+    from agent.model.tflite.file import read_model_file
+    from agent.model.tflite.layout import discover_layout
 
     cache = unpack_cache_dir(profile.runtime.xnnpack_weight_cache_dir, None)
     meta = open_model(model_dir, cache)

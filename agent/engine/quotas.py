@@ -15,10 +15,10 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from agent.engine.session import Session
+from agent.base.errors import QuotaExceeded
+from agent.engine.sessions.session import Session
 from agent.engine.stats import ModelInfo
 from agent.engine.types import EngineLimits
-from agent.errors import QuotaExceeded
 from agent.profile import KVConfig
 
 log = logging.getLogger(__name__)

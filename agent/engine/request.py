@@ -7,11 +7,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from agent.base.errors import AgentError
 from agent.engine.generation import Generation
 from agent.engine.sampler import SamplingParams
-from agent.engine.session import Session
+from agent.engine.sessions.session import Session
 from agent.engine.types import RequestStats, TokenEvent
-from agent.errors import AgentError
 from agent.runtime.runner import KVCache
 
 Sink = Callable[[TokenEvent], None]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from agent.base.errors import InvalidRequest, NonFiniteLogits
 from agent.engine.penalties import (
     BIAS_RANGE,
     PENALTY_RANGE,
@@ -19,14 +20,13 @@ from agent.engine.penalties import (
     REPETITION_RANGE,
     Penalties,
 )
-from agent.errors import InvalidRequest, NonFiniteLogits
 
 if TYPE_CHECKING:
     from agent.profile import GenerationDefaults
 
 
 class GrammarState(Protocol):
-    """One request's place in a grammar (`agent.engine.constrain.ConstraintState`)."""
+    """One request's place in a grammar (`agent.constraint.compiler.ConstraintState`)."""
 
     def mask(self, logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]: ...
 
@@ -34,7 +34,7 @@ class GrammarState(Protocol):
 
 
 class Grammar(Protocol):
-    """A compiled constraint (`agent.engine.constrain.CompiledConstraint`)."""
+    """A compiled constraint (`agent.constraint.compiler.CompiledConstraint`)."""
 
     def start(self) -> GrammarState: ...
 

@@ -18,7 +18,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from agent.errors import Overloaded, QuotaExceeded
+from agent.base.errors import Overloaded, QuotaExceeded
 
 T = TypeVar("T")
 

@@ -34,8 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from agent.base.errors import InvalidRequest
 from agent.engine.drafts import MAX_NGRAM, PromptLookup
-from agent.errors import InvalidRequest
 from agent.profile.schema import SPECULATION_MODES, SPECULATION_UNAVAILABLE
 from agent.runtime.runner import KVCache, Runner
 

@@ -37,7 +37,7 @@ class ModelInfo:
     fallbacks: tuple[str, ...]
     memory: MemoryPlan
     prepared: str = "none"  # the runtime's copy of the file: what it changed, or why refused
-    digest: str = ""  # agent.modeldir.model_digest of every file that defines the model
+    digest: str = ""  # agent.model.directory.model_digest of every file that defines the model
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,12 +13,12 @@ import logging
 import threading
 import time
 
+from agent.base.errors import Unavailable
 from agent.engine.request import Prepared, unstarted_stats
 from agent.engine.scheduler import Scheduler
-from agent.engine.sessions import SessionStore
+from agent.engine.sessions.store import SessionStore
 from agent.engine.stats import Tally
 from agent.engine.types import TokenEvent
-from agent.errors import Unavailable
 
 log = logging.getLogger("agent.engine.engine")  # the engine's lines keep one logger name
 

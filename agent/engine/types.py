@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from agent.chat.types import ChatMessage, Tool
+from agent.constraint.types import Constraint
+
 if TYPE_CHECKING:  # only a field's type: the sampler itself needs numpy
     from agent.engine.sampler import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
-CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar")
-TOOL_CHOICES = ("auto", "none", "required", "function")  # "function": `tool_name` only
 SESSION_POLICIES = ("error", "truncate")  # what a turn that overflows the context does
 TIERS = ("empty", "bound", "host", "disk")  # where a session's KV lives ("empty": none yet)
 
@@ -38,51 +39,11 @@ class EngineLimits:
 
 
 @dataclass(frozen=True, slots=True)
-class ToolCall:
-    """A function call an assistant made: `arguments` is a JSON object's text (as OpenAI's)."""
-
-    id: str
-    name: str
-    arguments: str = "{}"
-
-
-@dataclass(frozen=True, slots=True)
-class Tool:
-    """A function the model may call: `parameters` is its JSON schema's text."""
-
-    name: str
-    description: str = ""
-    parameters: str = '{"type": "object", "properties": {}}'
-
-
-@dataclass(frozen=True, slots=True)
-class ChatMessage:
-    role: str  # "system" | "user" | "assistant" | "tool"
-    content: str
-    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
-    tool_call_id: str = ""  # a tool message: the call it answers
-    name: str = ""  # a tool message: the function that answered
-
-
-@dataclass(frozen=True, slots=True)
-class Constraint:
-    """What the output must be: the sampler allows only tokens that keep it in this language.
-
-    `kind` is one of CONSTRAINT_KINDS: "json_schema" (`text` is the schema as JSON),
-    "json_object" (any JSON object; `text` is ignored), "regex" (the whole output matches
-    `text`), "grammar" (`text` is a Lark grammar, as llguidance takes it).
-    """
-
-    kind: str
-    text: str = ""
-
-
-@dataclass(frozen=True, slots=True)
 class GenerateRequest:
     """One generation. `max_tokens` / sampling fall back to the profile's defaults when None.
 
     A chat sets `messages` (and leaves `prompt` empty): the engine renders them through the
-    model's chat template (`agent.engine.chat`); with `session_id`, only the new turn's.
+    model's chat template (`agent.chat.template`); with `session_id`, only the new turn's.
     """
 
     prompt: str
@@ -95,7 +56,7 @@ class GenerateRequest:
     messages: tuple[ChatMessage, ...] = ()  # a chat instead of a prompt
     constraint: Constraint | None = None  # structured output: only what it allows
     tools: tuple[Tool, ...] = ()  # functions the chat template shows the model
-    tool_choice: str = "auto"  # one of TOOL_CHOICES (agent.engine.toolcalls)
+    tool_choice: str = "auto"  # one of TOOL_CHOICES (agent.chat.toolcalls)
     tool_name: str = ""  # the function a tool_choice "function" must call
     speculation: str | None = None  # "off" | "ngram" (SPECULATION_MODES); None: the profile's
 

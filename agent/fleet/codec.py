@@ -21,7 +21,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as ProtoMessage
 
-from agent.errors import AgentError
+from agent.base.errors import AgentError
 from agent.fleet.topics import Parsed
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb

@@ -20,8 +20,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from agent.config import BROKER_FORMAT, Broker, FleetConfig, parse_broker
-from agent.errors import ConfigError
+from agent.base.errors import ConfigError
+from agent.config.file import BROKER_FORMAT, Broker, FleetConfig, parse_broker
 from agent.fleet.codec import (
     PROTOBUF,
     ContentType,

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
-from agent.config import DEVICE_ID_RE
+from agent.config.file import DEVICE_ID_RE
 
 DEFAULT_PREFIX: Final = "fleet/v1"
 COMMAND_RE: Final = re.compile(r"[a-z][a-z0-9_-]{0,31}")

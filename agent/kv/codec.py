@@ -11,7 +11,7 @@ Layout, all integers little-endian::
 `read_header` reads only the preamble and header (cheap: used to list and to scan); the
 checksum is verified by `read_snapshot`, which reads the arrays straight into fresh numpy
 arrays. Everything here raises ``ValueError`` (with a short reason) for a bad file; the caller
-turns that into `agent.errors.SessionLost`.
+turns that into `agent.base.errors.SessionLost`.
 """
 
 from __future__ import annotations

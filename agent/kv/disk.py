@@ -1,7 +1,7 @@
 """`DiskTier`: spilled sessions as checksummed files in the state directory.
 
 One file per session, ``<root>/sessions/<key>.kv`` in the `agent.kv.codec` format, written
-with `agent.fsutil.atomic_write` (a crash leaves the old file or the new one). Files
+with `agent.base.fsutil.atomic_write` (a crash leaves the old file or the new one). Files
 survive a daemon restart while the model's sha256 is unchanged; on construction the directory
 is scanned and files of another model, corrupt files and leftover temp files are deleted.
 Least recently used sessions (file mtime, touched on every read) are evicted to keep the total
@@ -29,8 +29,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from agent.errors import InvalidRequest, NotFound, SessionLost, Unavailable
-from agent.fsutil import atomic_write, is_temp
+from agent.base.errors import InvalidRequest, NotFound, SessionLost, Unavailable
+from agent.base.fsutil import atomic_write, is_temp
 from agent.kv.codec import Header, encode, read_header, read_snapshot
 from agent.kv.snapshot import KVSnapshot
 

@@ -1,4 +1,4 @@
-"""`edge-agent model import`: a model directory (`agent.modeldir`) from what users download.
+"""`edge-agent model import`: a model directory (`agent.model.directory`) from what users download.
 
 The source is a `.litertlm` bundle or a folder as litert-community / Hugging Face ship one:
 one or more `.tflite` exports, ``tokenizer.json`` (preferred) or ``tokenizer.model``, and
@@ -6,7 +6,7 @@ optionally ``tokenizer_config.json``, ``generation_config.json`` and ``config.js
 ``metadata.json`` records comes from the files themselves:
 
 * per variant: sha256 and size, and the quantization read from its weight tensors
-  (`agent.runtime.modelfacts`), never from its name; the context length from its KV shape;
+  (`agent.model.facts`), never from its name; the context length from its KV shape;
 * ``bos_id``/``eos_id``: ``tokenizer_config.json``'s ``bos_token``/``eos_token`` looked up in
   the tokenizer's vocabulary, else ``generation_config.json``'s, else ``config.json``'s ids;
   ``add_bos``: ``add_bos_token``, else whether the tokenizer's own post-processor adds BOS;

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from agent.errors import ModelFormatError
+from agent.base.errors import ModelFormatError
 from agent.modelimport.draft import Draft, Progress
 
 log = logging.getLogger(__name__)
@@ -14,8 +14,8 @@ log = logging.getLogger(__name__)
 def from_bundle(
     src: Path, tmp: Path, name: str | None, version: str | None, progress: Progress | None
 ) -> Draft:
-    from agent.runtime.litertlm import extract_model, read_bundle, tokenizer_file
-    from agent.runtime.llmmeta import read_llm_metadata, resolve
+    from agent.model.litertlm.bundle import extract_model, read_bundle, tokenizer_file
+    from agent.model.litertlm.metadata import read_llm_metadata, resolve
 
     bundle = read_bundle(src)
     for s, why in bundle.ignored:
@@ -60,8 +60,8 @@ def from_bundle(
 
 def _facts(path: Path, hint: int | None, where: Path) -> tuple[str, int]:
     """(quantization, context length) of a `.tflite`; refuses what is not an LLM export."""
-    from agent.runtime.modelfacts import context_length_of, quantization_of
-    from agent.runtime.modelfile import read_model_file
+    from agent.model.facts import context_length_of, quantization_of
+    from agent.model.tflite.file import read_model_file
 
     model = read_model_file(path)
     try:

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agent.errors import ModelFormatError
+from agent.base.errors import ModelFormatError
 from agent.modelimport.draft import Draft, Progress, copy_hashed
-from agent.runtime.vocab import Vocab
+from agent.tokenizer.vocab import Vocab
 
 TOKENIZERS = ("tokenizer.json", "tokenizer.model")
 SIDE_FILES = ("tokenizer_config.json", "generation_config.json", "config.json")
@@ -87,7 +87,7 @@ def _template(src: Path, tok_config: dict[str, Any] | None) -> str:
 
 def _check_jinja(template: str, where: Path) -> None:
     """Refuse a template that the chat code could not compile (the same environment)."""
-    from agent.engine.chat import ChatTemplate
+    from agent.chat.template import ChatTemplate
 
     error = ChatTemplate(template).error
     if error:
@@ -201,8 +201,8 @@ def from_folder(
     files: Sequence[str],
     progress: Progress | None,
 ) -> Draft:
-    from agent.runtime.modelfacts import context_length_of, quantization_of
-    from agent.runtime.modelfile import read_model_file
+    from agent.model.facts import context_length_of, quantization_of
+    from agent.model.tflite.file import read_model_file
 
     tok_file = next((src / t for t in TOKENIZERS if (src / t).is_file()), None)
     if tok_file is None:

@@ -11,8 +11,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from agent.errors import ModelFormatError
-from agent.modeldir import ModelMeta, load_model_dir, write_model_dir_metadata
+from agent.base.errors import ModelFormatError
+from agent.model.directory import ModelMeta, load_model_dir, write_model_dir_metadata
 from agent.modelimport.bundle import from_bundle
 from agent.modelimport.draft import Progress
 from agent.modelimport.folder import from_folder
@@ -65,7 +65,7 @@ def _import(
     allow_no_stop: bool,
     decided: list[str] | None,
 ) -> ModelMeta:
-    from agent.runtime.litertlm import is_litertlm
+    from agent.model.litertlm.bundle import is_litertlm
 
     if not src.exists():
         raise ModelFormatError(f"{src}: no such file or directory")

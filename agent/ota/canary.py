@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from agent.errors import AgentError
+from agent.base.errors import AgentError
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 DEFAULT_PROMPT = "def main():"

@@ -10,12 +10,12 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.config import UpdatesConfig
-from agent.modeldir import sha256_file
+from agent.config.file import UpdatesConfig
+from agent.model.directory import sha256_file
+from agent.ota.artifact.manifest import UpdateRejected
 from agent.ota.faults import crash_point
 from agent.ota.fetch import BlockSource, DownloadFailed, RateLimit, fetch_blocks, fetch_http
 from agent.ota.interrupt import Interrupt
-from agent.ota.manifest import UpdateRejected
 from agent.ota.reports import Reports
 from agent.ota.store import Store
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from agent.ota.manifest import InstallContext
+from agent.ota.artifact.manifest import InstallContext
 from agent.ota.store import ModelRef
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb

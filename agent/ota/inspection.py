@@ -13,10 +13,10 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from google.protobuf.message import DecodeError
 
-from agent.ota.bundle import BundleError, read_bundle
-from agent.ota.manifest import CLOCK_SKEW_S, UpdateRejected
-from agent.ota.manifest_json import manifest_to_dict
-from agent.ota.signing import verify
+from agent.ota.artifact.bundle import BundleError, read_bundle
+from agent.ota.artifact.manifest import CLOCK_SKEW_S, UpdateRejected
+from agent.ota.artifact.manifest_json import manifest_to_dict
+from agent.ota.artifact.signing import verify
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import threading
 
-from agent.ota.manifest import UpdateRejected
+from agent.ota.artifact.manifest import UpdateRejected
 
 
 class Interrupt:

@@ -10,9 +10,9 @@ import os
 import shutil
 from pathlib import Path
 
-from agent.ota import delta
+from agent.ota.artifact.manifest import UpdateRejected
+from agent.ota.delta import files as delta
 from agent.ota.faults import CRASH_ENV, crash_when_written
-from agent.ota.manifest import UpdateRejected
 from agent.ota.store import Store
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.fsutil import atomic_write_bytes
-from agent.modeldir import load_model_dir, sha256_file
+from agent.base.fsutil import atomic_write_bytes
+from agent.model.directory import load_model_dir, sha256_file
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 log = logging.getLogger(__name__)

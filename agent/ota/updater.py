@@ -31,12 +31,13 @@ import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from agent.clock import Clock, Stopwatch
-from agent.config import UpdatesConfig
-from agent.errors import AgentError
-from agent.ota import delta, keys, manifest, signing
-from agent.ota.cancel import check_cancellable, verify_cancel
+from agent.base.clock import Clock, Stopwatch
+from agent.base.errors import AgentError
+from agent.config.file import UpdatesConfig
+from agent.ota.artifact import keys, manifest, signing
+from agent.ota.artifact.cancel import check_cancellable, verify_cancel
 from agent.ota.cleanup import Cleanup
+from agent.ota.delta import files as delta
 from agent.ota.download import download
 from agent.ota.faults import UNREPORTED, crash_point, pause_point
 from agent.ota.fetch import HTTP_TIMEOUT_S, BlockSource, PayloadTooLarge
@@ -69,7 +70,8 @@ class Updater:
         clock: Clock | None = None,
     ) -> None:
         self.store = store
-        # durations by its monotonic clock; its wall clock only once synchronized (agent/clock.py)
+        # durations by its monotonic clock; its wall clock only once synchronized
+        # (agent/base/clock.py)
         self.clock = clock or Clock(config.clock, config.timesync_file)
         self.config = config
         self.shipped = shipped  # what serves when no update was ever installed

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from agent.base.tomltable import size_text as _size_text
 from agent.profile.detect import _range_text
 from agent.profile.quantization import quantization_preference
 from agent.profile.schema import (
@@ -17,7 +18,6 @@ from agent.profile.schema import (
     RUNTIME_KEYS,
     DeviceProfile,
 )
-from agent.tomltable import size_text as _size_text
 
 
 def _json_value(value: object) -> object:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from agent.errors import ProfileNotFound
+from agent.base.errors import ProfileNotFound
 from agent.profile.facts import HardwareFacts, read_facts
 from agent.profile.load import list_profiles
 from agent.profile.schema import DeviceProfile

@@ -7,10 +7,10 @@ import tomllib
 from pathlib import Path
 from typing import Final
 
-from agent.errors import ConfigError, ProfileNotFound
+from agent.base.errors import ConfigError, ProfileNotFound
+from agent.base.shipped import shipped_dir
 from agent.profile.parse import parse_profile
 from agent.profile.schema import DeviceProfile
-from agent.shipped import shipped_dir
 
 PROFILES_ENV: Final = "EDGE_AGENT_PROFILES_DIR"
 
@@ -34,7 +34,7 @@ def load_profile(path: Path) -> DeviceProfile:
 
 def profiles_dir() -> Path:
     """The shipped profiles: ``$EDGE_AGENT_PROFILES_DIR``, else the checkout's
-    ``firmware_profiles/``, else the installed package's copy (`agent.shipped`)."""
+    ``firmware_profiles/``, else the installed package's copy (`agent.base.shipped`)."""
     override = os.environ.get(PROFILES_ENV)
     if override:
         return Path(override)

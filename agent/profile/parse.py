@@ -8,8 +8,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
 
-from agent.errors import ConfigError
-from agent.modeldir import QUANTIZATIONS
+from agent.base.errors import ConfigError
+from agent.base.tomltable import MISSING, MiB, TiB
+from agent.base.tomltable import Table as _Table
+from agent.model.directory import QUANTIZATIONS
 from agent.profile.quantization import LEGACY_ORDER
 from agent.profile.schema import (
     ACCELERATORS,
@@ -36,8 +38,6 @@ from agent.profile.schema import (
     NpuOptionValue,
     RuntimeConfig,
 )
-from agent.tomltable import MISSING, MiB, TiB
-from agent.tomltable import Table as _Table
 
 MIN_MAX_NUM_BYTES: Final = 16 * MiB
 MAX_MAX_NUM_BYTES: Final = TiB

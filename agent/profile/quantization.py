@@ -7,10 +7,10 @@ import logging
 from collections.abc import Sequence
 from typing import Final
 
-from agent.errors import ConfigError
+from agent.base.errors import ConfigError
+from agent.base.tomltable import GiB
+from agent.base.tomltable import size_text as _size_text
 from agent.profile.schema import AUTO, DeviceProfile
-from agent.tomltable import GiB
-from agent.tomltable import size_text as _size_text
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from agent.errors import ProfileNotFound
+from agent.base.errors import ProfileNotFound
 from agent.profile.detect import detect
 from agent.profile.load import load_profile, profiles_dir
 from agent.profile.schema import DeviceProfile

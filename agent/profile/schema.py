@@ -81,7 +81,7 @@ class RuntimeConfig:
     max_num_bytes: int
     require_fused: bool
     xnnpack_weight_cache_dir: Path | None
-    # give a single-length model KV windows at load (agent/runtime/windows.py)
+    # give a single-length model KV windows at load (agent/runtime/prepare/windows.py)
     kv_windows: bool = True
 
 

@@ -2,7 +2,7 @@
 
 The runtime creates each session's KV buffers once; the same buffer is bound as the input *and*
 the output of a signature, so the model updates the cache in place and nothing is copied per
-token. A cache with KV windows moves between them (`agent.runtime.windows`).
+token. A cache with KV windows moves between them (`agent.runtime.prepare.windows`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from agent.errors import RuntimeFailure
-from agent.runtime.layout import ModelLayout, Signature, Window
+from agent.base.errors import RuntimeFailure
+from agent.model.tflite.layout import ModelLayout, Signature, Window
 from agent.runtime.runner import Logits, RunnerBase, causal_mask
 
 log = logging.getLogger("agent.runtime.litert")  # moved from litert.py: its lines keep their name

@@ -18,8 +18,8 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from agent.errors import RuntimeFailure
-from agent.runtime.layout import ModelLayout, Signature
+from agent.base.errors import RuntimeFailure
+from agent.model.tflite.layout import ModelLayout, Signature
 from agent.runtime.legacy import LEGACY_BACKEND
 from agent.runtime.runner import Logits, RunnerBase, causal_mask
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Final
 
-from agent.errors import ModelFormatError
-from agent.runtime.layout import ModelLayout
-from agent.runtime.modelinfo import ModelFile
+from agent.base.errors import ModelFormatError
+from agent.model.tflite.info import ModelFile
+from agent.model.tflite.layout import ModelLayout
 
 LEGACY_BACKEND: Final = "tflite-runtime"
 # ops that take int8 weights directly in a dynamic-range graph (weight-only graphs feed them

@@ -15,8 +15,8 @@ falls back to the next one with one warning naming the reason.
 
 The modules behind it, one noun each: `agent.runtime.plan` (what a load costs),
 `agent.runtime.runner` (the interface and the shared base), `agent.runtime.compiled` and
-`agent.runtime.interpreter` (the two paths), `agent.runtime.prepared` (the copy the CPU path
-runs), `agent.runtime.cachefiles` (the weight cache directory) and `agent.runtime.legacy`
+`agent.runtime.interpreter` (the two paths), `agent.runtime.prepare.model` (the copy the CPU path
+runs), `agent.runtime.prepare.cachefiles` (the weight cache directory) and `agent.runtime.legacy`
 (tflite-runtime). This module loads: format and budget checks, the accelerator chain, the
 first-load checks.
 """
@@ -28,20 +28,20 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from agent.errors import AcceleratorError, ModelFormatError
+from agent.base.errors import AcceleratorError, ModelFormatError
+from agent.model.tflite.file import read_model_file
+from agent.model.tflite.info import ModelFile
+from agent.model.tflite.layout import ModelLayout, discover_layout
 from agent.profile import DeviceProfile
-from agent.runtime import check
-from agent.runtime.cachefiles import IN_MEMORY_WEIGHT_CACHE, parse_cache, weight_cache_path
 from agent.runtime.compiled import CompiledRunner
 from agent.runtime.cpufeatures import aarch64_without_lse
 from agent.runtime.interpreter import InterpreterRunner
-from agent.runtime.layout import ModelLayout, discover_layout
 from agent.runtime.legacy import LEGACY_BACKEND, check_legacy_compatible
 from agent.runtime.memory import give_back_memory, keep_large_buffers_mapped
-from agent.runtime.modelfile import read_model_file
-from agent.runtime.modelinfo import ModelFile
 from agent.runtime.plan import MemoryPlan, check_budget, plan_memory
-from agent.runtime.prepared import (
+from agent.runtime.prepare import check
+from agent.runtime.prepare.cachefiles import IN_MEMORY_WEIGHT_CACHE, parse_cache, weight_cache_path
+from agent.runtime.prepare.model import (
     PreparedModel,
     check_new_windows,
     keep_checked,
@@ -169,7 +169,8 @@ def load(
 
 
 class _Checks:
-    """The first-load checks of one load (`agent.runtime.check`): a fresh prepared copy, and the
+    """The first-load checks of one load (`agent.runtime.prepare.check`): a fresh prepared copy,
+    and the
     builtin-kernel ``cpu`` link of a fused model, against the original file on XNNPACK. The
     reference is computed once, before the runner it checks is needed again, and its runner
     closed before anything else is opened."""
@@ -288,7 +289,7 @@ def _shared_cache(
     """The weight cache file a fresh prepared copy will map, for the reference run on the
     original file to pack into, or None (then the reference packs in memory). XNNPACK's file
     cache identifies packed weights by buffer index, and a prepared copy keeps every buffer of
-    the original at its index (`agent.runtime.overlay`; new buffers are appended): the copy
+    the original at its index (`agent.runtime.prepare.overlay`; new buffers are appended): the copy
     maps what the original packed instead of packing the same weights again and reopening
     (measured on the SmolLM-shaped int8 file: the copy opens in 0.33 s instead of 0.83 s plus
     the reopen, with bit-identical logits). The check that follows compares the copy with the

@@ -12,11 +12,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final
 
-from agent.errors import BudgetError, RuntimeFailure
+from agent.base.errors import BudgetError, RuntimeFailure
+from agent.model.tflite.info import ModelFile
+from agent.model.tflite.layout import ModelLayout, Signature, Window, auto_windows, window_prefills
 from agent.profile import DeviceProfile
-from agent.runtime.layout import ModelLayout, Signature, Window, auto_windows, window_prefills
 from agent.runtime.legacy import LEGACY_BACKEND
-from agent.runtime.modelinfo import ModelFile
 
 log = logging.getLogger("agent.runtime.litert")  # moved from litert.py: its lines keep their name
 

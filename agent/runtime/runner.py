@@ -15,11 +15,11 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from agent.errors import ModelFormatError, RuntimeFailure
-from agent.runtime import cachefiles
+from agent.base.errors import ModelFormatError, RuntimeFailure
+from agent.model.tflite.layout import ModelLayout, Signature, Window
 from agent.runtime.costs import CallCosts
-from agent.runtime.layout import ModelLayout, Signature, Window
 from agent.runtime.plan import plan_prefill
+from agent.runtime.prepare import cachefiles
 
 log = logging.getLogger("agent.runtime.litert")  # the load's lines keep the front door's name
 

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Final
 
 from agent.profile import DeviceProfile
-from agent.runtime.cachefiles import VERIFY_SUFFIX
 from agent.runtime.memory import give_back_memory
+from agent.runtime.prepare.cachefiles import VERIFY_SUFFIX
 from agent.runtime.runner import Runner, RunnerBase
 
 log = logging.getLogger("agent.runtime.litert")  # a load's lines keep the front door's name

@@ -5,7 +5,7 @@ The demo model is a code model, not an assistant: the leading system messages be
 comment (``# sys1\\nsys2``), each later message is one line of the text to continue (user and
 assistant contents as they are, so a plain chat's prompt is what it was before the template had
 roles). Only what the old form had no place for gets markers, in the Hermes family's tags that
-`agent.engine.toolcalls.format_of` recognises (``<tool_call>``):
+`agent.chat.toolcalls.format_of` recognises (``<tool_call>``):
 
 * tools: after the system comment, ``# Tools`` then ``<tools>``, one function's JSON per line,
   ``</tools>`` and a comment saying how to call one;

@@ -6,7 +6,7 @@ recipe (`quant_recipes.full_dynamic_recipe`) into an ai-edge-quantizer recipe an
 lets every variant of a model share a single (slow) conversion and gives access to block 64
 and to custom (mixed) recipes that litert-torch's `quantize=` names do not cover.
 
-Quantization names (as in `agent.modeldir.QUANTIZATIONS`):
+Quantization names (as in `agent.model.directory.QUANTIZATIONS`):
 
 * ``fp32``: no quantization.
 * ``int8``: dynamic-range int8 weights, per output channel (litert-torch ``dynamic_int8``).
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import toolchain  # noqa: F401  (installs the tensorflow shim)
-from agent.modeldir import QUANTIZATIONS
+from agent.model.directory import QUANTIZATIONS
 from agent.toolchain.config import DecoderSpec
 
 #: Regexes (matched by ai-edge-quantizer against op output tensor names, last match wins) of the

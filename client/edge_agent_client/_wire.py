@@ -14,7 +14,7 @@ from typing import Any
 from edge_agent_client.pb.edge_agent.v1 import agent_pb2 as pb
 from edge_agent_client.types import Completion, FinishReason, Message, Stats
 
-# as the daemon has them (agent/config.py, agent/rpc/identity.py)
+# as the daemon has them (agent/config/file.py, agent/api/identity.py)
 DEFAULT_SOCKET = "/run/edge-agent/agent.sock"
 METADATA_KEY = "edge-agent-client"
 KEY_ENV = "EDGE_AGENT_CLIENT_KEY"

@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-# the trailing-metadata key under which the daemon names the error type (agent/errors.py)
+# the trailing-metadata key under which the daemon names the error type (agent/base/errors.py)
 ERROR_TRAILER = "edge-agent-error"
 
 

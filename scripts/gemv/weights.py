@@ -11,7 +11,7 @@ import numpy as np
 def _block_scales(sg: Any, tensor: Any) -> tuple[int, int, str] | None:
     """(scale count, block size, scale dtype) of a blockwise-quantized weight, else None.
     ai-edge-quantizer writes block scales as a separate [out, in/block] tensor."""
-    from agent.runtime.schema import schema
+    from agent.model.tflite.schema import schema
 
     q = tensor.Quantization()
     kind = getattr(schema.QuantizationDetails, "BlockwiseQuantization", None)
@@ -34,8 +34,8 @@ def inspect_model(path: Path) -> dict[str, Any]:
     scales (int8: one fp32 per output channel, ~0.6% more) are not counted, as in the
     roofline of bench_peer (`scripts/peer/roofline.py`).
     """
-    from agent.runtime.modelfile import read_model_file
-    from agent.runtime.schema import schema
+    from agent.model.tflite.file import read_model_file
+    from agent.model.tflite.schema import schema
 
     info = read_model_file(path)
     model = schema.Model.GetRootAs(path.read_bytes(), 0)

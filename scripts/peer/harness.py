@@ -27,8 +27,8 @@ def prompts_file(model: str, lengths: tuple[int, ...]) -> Path:
     ~30 MiB list of ids, and the heap it leaves behind) in its engine's peak RSS, and LiteRT-LM's
     worker would load a tokenizer it does not use.
     """
-    from agent.modeldir import load_model_dir
-    from agent.runtime.tokenizer_load import load_tokenizer
+    from agent.model.directory import load_model_dir
+    from agent.tokenizer.load import load_tokenizer
 
     tok = load_tokenizer(load_model_dir(Path(model)).tokenizer_path)
     ids = tok.encode("".join(p.read_text() for p in sorted((ROOT / "agent").rglob("*.py"))))

@@ -41,7 +41,7 @@ def pack_litertlm(model_dir: Path, quant: str) -> Path | None:
     )
     from litert_lm_builder.runtime.proto import llm_metadata_pb2
 
-    from agent.modeldir import load_model_dir
+    from agent.model.directory import load_model_dir
 
     meta = load_model_dir(model_dir)
     variant = next(v for v in meta.variants if v.quantization == quant)

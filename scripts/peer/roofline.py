@@ -32,8 +32,8 @@ def read_bandwidth(threads: int, mib: int = 1024, repeats: int = 5) -> float:
 
 def read_variant(model_dir: Path, quant: str) -> Any:
     """The parsed `.tflite` of one variant of a model directory (a `ModelFile`)."""
-    from agent.modeldir import load_model_dir
-    from agent.runtime.modelfile import read_model_file
+    from agent.model.directory import load_model_dir
+    from agent.model.tflite.file import read_model_file
 
     meta = load_model_dir(model_dir)
     variant = next(v for v in meta.variants if v.quantization == quant)
@@ -43,7 +43,7 @@ def read_variant(model_dir: Path, quant: str) -> Any:
 def bytes_per_token(model: Any, kv_rows: int) -> dict[str, float]:
     """What one decode step reads: every weight except the embedding table (one row of it is
     looked up) plus the K and V of every layer over the KV length the step attends over."""
-    from agent.runtime.layout import discover_layout
+    from agent.model.tflite.layout import discover_layout
 
     weights = sum(
         b for op, _kind, _n, b in model.weights if op not in ("EMBEDDING_LOOKUP", "GATHER")

@@ -40,7 +40,7 @@ def run_main(
     if model is None:
         skipped.append(f"{section}: no model (toolchain extra missing)")
         return None
-    from agent.runtime.layout import discover_layout
+    from agent.model.tflite.layout import discover_layout
 
     engines = [e for e in ENGINES if e != "litertlm"]
     bundles = {q: pack_litertlm(model, q) for q in QUANTS}

@@ -36,8 +36,8 @@ def spec_prompts() -> tuple[Path, tuple[str, ...], tuple[str, ...]]:
     again from its start, to be continued: the continuation reuses the prompt's text, as an
     edit of given code does) and open-ended ones (the first lines of another held-out file).
     Held-out files (`agent.toolchain.corpus`): the demo model never trained on them."""
-    from agent.modeldir import load_model_dir
-    from agent.runtime.tokenizer_load import load_tokenizer
+    from agent.model.directory import load_model_dir
+    from agent.tokenizer.load import load_tokenizer
     from agent.toolchain import corpus
 
     tok = load_tokenizer(load_model_dir(DEMO).tokenizer_path)

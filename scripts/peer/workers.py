@@ -127,7 +127,7 @@ def continue_edge(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def worker_grpc(a: argparse.Namespace) -> dict[str, Any]:
-    from agent.rpc.client import Client, build_request
+    from agent.api.grpc.client import Client, build_request
     from tests.daemon_harness import Daemon
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-grpc-"))

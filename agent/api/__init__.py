@@ -1,0 +1,1 @@
+"""The local APIs apps call: gRPC and HTTP on the same engine, and what both share."""

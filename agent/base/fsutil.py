@@ -1,0 +1,137 @@
+"""Small file-system rules the daemon keeps on the host: say what a path is, create only
+the last level of a directory it was given (as systemd's ``RuntimeDirectory=`` and
+``StateDirectory=`` do), never a whole path a typo made up, and replace files crash-safely.
+
+Crash-safe file replacement: temp file beside the target, fsync, rename, fsync the directory.
+After a crash the target holds either its old or its new content, never a mix. A crash
+mid-write can leave a temp file (``.<name>.<random>.tmp``); `is_temp` recognises those so
+that a startup scan can delete them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+from agent.base.errors import HostError
+
+log = logging.getLogger(__name__)
+
+TEMP_SUFFIX = ".tmp"
+
+
+def kind_of(path: Path) -> str:
+    """What `path` is, without following a symbolic link at the end: "nothing" when it does not
+    exist, else "a unix socket", "a regular file", "a directory", "a symbolic link to ...", ..."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "nothing"
+    mode = st.st_mode
+    if stat.S_ISLNK(mode):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        return f"a symbolic link to {target}"
+    if stat.S_ISSOCK(mode):
+        return "a unix socket"
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device node"
+    return "a file of another type"
+
+
+def check_last_level(path: Path, what: str) -> bool:
+    """Check that directory `path` exists, or that it can be made by creating its last level
+    alone; returns whether it exists. Raises HostError naming `what` (e.g. "the socket's
+    directory") otherwise. Changes nothing."""
+    kind = kind_of(path)
+    if kind == "a directory" or (kind.startswith("a symbolic link") and path.is_dir()):
+        return True
+    if kind != "nothing":
+        raise HostError(f"{what} {path} is {kind}, not a directory")
+    parent = path.parent
+    if not parent.is_dir():
+        raise HostError(
+            f"{what} {path} does not exist and neither does its parent {parent}: edge-agent "
+            "creates only the last level of a directory (as systemd's RuntimeDirectory= and "
+            "StateDirectory= do); create the parent first or give another path"
+        )
+    return False
+
+
+def ensure_last_level(path: Path, what: str, mode: int) -> None:
+    """Make directory `path` with `mode` when it is missing and its parent exists (nothing else
+    is created); see `check_last_level` for what is refused."""
+    if check_last_level(path, what):
+        return
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:  # made meanwhile (by another start, or systemd): check what it is
+        check_last_level(path, what)
+        return
+    except OSError as exc:
+        raise HostError(f"{what} {path} cannot be created: {exc.strerror}") from exc
+    os.chmod(path, mode)  # mkdir's mode goes through the umask
+    log.info("created %s %s (mode %04o)", what, path, mode)
+
+
+def is_temp(name: str) -> bool:
+    """True for the name of a temp file that `atomic_write` left behind."""
+    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
+
+
+def atomic_write(
+    path: Path,
+    write: Callable[[IO[bytes]], None],
+    mtime_ns: int | None = None,
+    mode: int = 0o600,
+) -> None:
+    """Replace `path` (`mode`, 0600 by default) with what `write` writes; with modification
+    time `mtime_ns` when given.
+
+    Raises the `OSError` of a failed step; the temp file is removed whatever fails.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if mtime_ns is not None:
+            os.utime(tmp, ns=(mtime_ns, mtime_ns))
+        if mode != 0o600:  # mkstemp's
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    # Durability of the rename is best effort: some filesystems refuse fsync on a directory.
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """`atomic_write` of a bytes value."""
+
+    def write(f: IO[bytes]) -> None:
+        f.write(data)
+
+    atomic_write(path, write, mode=mode)

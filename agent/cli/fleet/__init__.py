@@ -1,0 +1,1 @@
+"""`edge-agent fleet ...`: the operator's commands."""

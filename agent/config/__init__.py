@@ -1,0 +1,1 @@
+"""The agent's own configuration file: what is not board-specific."""

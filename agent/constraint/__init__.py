@@ -1,0 +1,1 @@
+"""Structured output: constraints checked, compiled by llguidance, and applied as token masks."""

@@ -1,0 +1,1 @@
+"""Sessions: one conversation's tokens and KV, and the tiers it moves through."""

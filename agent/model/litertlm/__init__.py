@@ -1,0 +1,1 @@
+"""LiteRT-LM's `.litertlm` bundles: sections, metadata, and the cache they are extracted into."""

@@ -1,0 +1,1 @@
+"""The operator's tools: watch, send, inventory, publish updates and run rollouts."""

@@ -1,0 +1,1 @@
+"""Staged rollouts: a signed update offered to a fleet wave by wave."""

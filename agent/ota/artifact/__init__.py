@@ -1,0 +1,1 @@
+"""What an update is on the wire: manifests, signatures, keys, bundles and cancels."""

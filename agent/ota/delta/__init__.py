@@ -1,0 +1,1 @@
+"""Model-aware update deltas (``ea-delta-1``): diff, format, patch."""

@@ -1,0 +1,1 @@
+"""What the runtime runs instead of the exported file: prepared copies and their checks."""

@@ -1,0 +1,1 @@
+"""What the agent reports about itself: the status value and Prometheus metrics."""

@@ -1,0 +1,44 @@
+"""The agent's status as one frozen value (what GetStatus, the CLI and telemetry report)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agent.base.clock import ClockState
+from agent.engine.stats import EngineStats, ModelInfo
+from agent.engine.types import TierStats
+
+
+@dataclass(frozen=True, slots=True)
+class AgentStatus:
+    """Everything GetStatus reports, taken at one moment."""
+
+    profile: str
+    version: str
+    state: str  # "starting" | "serving" | "reloading" | "stopping"
+    uptime_s: float
+    rss_bytes: int
+    budget_bytes: int
+    planned_bytes: int
+    model: str
+    active_sessions: int
+    engine: EngineStats
+    kv: TierStats | None = None  # sessions and bytes per KV tier (None: not reported)
+    info: ModelInfo | None = None  # the model that serves (None: not reported)
+    fleet_link: str = ""  # "off" (no broker) | "connected" | "disconnected"; "": not reported
+    # the last update's phase ("none": never updated); read from disk, so only the metrics
+    # scrape asks for it; "": not reported
+    update_phase: str = ""
+    clock: ClockState | None = None  # whether the wall clock is synchronized (None: not reported)
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (from /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+    import os
+
+    return pages * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,1 @@
+"""systemd: service notifications, journald logging, the unit and its installation."""

@@ -1,0 +1,1 @@
+"""Tokenizers: the interface, SentencePiece and Hugging Face kinds, and their vocabularies."""

@@ -1,0 +1,28 @@
+"""`load_tokenizer`: the tokenizer kind a file is, by its name.
+
+* ``tokenizer.model``: SentencePiece (`agent.tokenizer.sentencepiece`), as the demo model and
+  Gemma ship it.
+* ``tokenizer.json``: Hugging Face ``tokenizers`` (`agent.tokenizer.hf`): byte-level
+  BPE (Qwen, Llama 3, SmolLM2, Phi-4, DeepSeek-distill) or Metaspace with byte fallback.
+
+The interface both honour, and the ``tokenizer_config.json`` beside them, are
+`agent.tokenizer.base`. Each kind is imported only when a file of its kind is loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from agent.tokenizer.base import Tokenizer, read_tokenizer_config
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    """The tokenizer in `path`, by its name: ``*.json`` is Hugging Face, else SentencePiece."""
+    config = read_tokenizer_config(path.parent)
+    if path.suffix == ".json":
+        from agent.tokenizer.hf import HFTokenizer
+
+        return HFTokenizer(path, config)
+    from agent.tokenizer.sentencepiece import SentencePieceTokenizer
+
+    return SentencePieceTokenizer(path, config)
