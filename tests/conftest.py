@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from agent.profile import DeviceProfile, parse_profile, profiles_dir
-from tests.tiny_models import (  # noqa: F401  (pytest fixtures)
+from tests.support.tiny_models import (  # noqa: F401  (pytest fixtures)
     LEGACY,
     tiny_model,
     tiny_model_dir,

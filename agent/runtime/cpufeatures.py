@@ -5,7 +5,7 @@ Armv8.1 LSE atomics and a fail-fast check: creating a ``CompiledModel`` environm
 and on a CPU without LSE (Cortex-A72 and A53: Raspberry Pi 4, Pi 3, Zero 2 W) the process
 aborts with SIGILL ("This binary was compiled with lse enabled, but this feature is not
 available on this processor"), seen under ``qemu-aarch64-static -cpu cortex-a72``
-(tests/test_arm.py). The ``Interpreter`` path does not load it.
+(tests/system/test_arm.py). The ``Interpreter`` path does not load it.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ roles). Only what the old form had no place for gets markers, in the Hermes fami
 
 There is no generation prompt (the model continues the last line) and BOS comes from the
 template (``{{ bos_token }}``), as the old form's plain prompt had it. Every piece is ASCII,
-which the demo's SentencePiece vocabulary spells (tests/test_api_examples.py checks the round
+which the demo's SentencePiece vocabulary spells (tests/system/test_api_examples.py checks the round
 trip).
 """
 

@@ -5,7 +5,8 @@ first; grpcio-reflection ships no v1 module).
 The two protocols are one: grpc's ``reflection/v1/reflection.proto`` is the v1alpha file under
 another package, with the same messages, fields and numbers, so the library's own servicer
 answers both and v1 requests and responses travel in the v1alpha classes, byte for byte
-(tests/test_startup_safety.py checks it against an independent v1 client). The v1 file is also
+(tests/system/test_startup_safety.py checks it against an independent v1 client). The v1 file is
+also
 added to the descriptor pool, derived from the v1alpha one, so that ``describe`` works on it.
 """
 

@@ -1,7 +1,7 @@
 """`edge-agent fleet rollout`: a signed update offered to a fleet wave by wave, over ONE MQTT
 connection, with a persisted state that survives the operator process (docs/ROLLOUTS.md).
 
-The Python API (what `edge-agent fleet rollout ...` and tests/fleetsim.py call)::
+The Python API (what `edge-agent fleet rollout ...` and tests/support/fleetsim.py call)::
 
     from agent.operator.rollout.run import create_rollout, run_rollout, request, retry_failed,
     resume
@@ -161,7 +161,8 @@ def start_rollout(
     soak_s: float,
     rollout_id: str | None = None,
 ) -> str:
-    """`create_rollout` with the positional order first agreed with tests/fleetsim.py; returns
+    """`create_rollout` with the positional order first agreed with tests/support/fleetsim.py;
+    returns
     the rollout's id (run it with `run_rollout`). `opts` is not used: nothing is sent yet."""
     del opts
     r = create_rollout(

@@ -1,0 +1,427 @@
+#!/usr/bin/env python3
+"""The fleet at scale, on a real mosquitto on loopback (docs/PERFORMANCE.md, "Fleet at scale").
+
+1. **A rollout to 1,000 devices.** The fleet simulator (tests/support/fleetsim.py: 1,000 devices in
+this
+   process, each the real fleet link and the real update machine against a stub engine; state
+   directories on tmpfs) starts, then `edge-agent fleet rollout start BUNDLE --target all
+   --waves 1%,10%,50%,100% --soak 1s` runs as its own process until it completes. Measured:
+   the operator process's CPU seconds (user + system) and peak RSS (`wait4`), mosquitto's RSS
+   (1,000 devices connected and idle; its peak, VmHWM) and CPU during the rollout, each wave's
+   duration (from the rollout's report), and the simulator process's start time, RSS, threads
+   and CPU.
+2. **`fleet watch --once` and `fleet inventory` with 10,000 devices.** One client publishes a
+   retained `state` and `health` for each of 10,000 devices (no agents), then each command runs
+   as its own process: wall time, CPU and peak RSS; and Python's start-up alone (`--help` of the
+   same command) for reference.
+
+    python benchmarks/bench_fleet.py [--devices 1000] [--inventory-devices 10000] [--rounds 3]
+                                  [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._report import write_section  # noqa: E402
+
+MIB = 1 << 20
+PREFIX = "fleet/v1"
+
+
+# ----------------------------------------------------------------------------- /proc
+
+
+def _status_kib(pid: int | str, key: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _mib(kib: float) -> float:
+    return kib / 1024
+
+
+TIME = "/usr/bin/time"  # GNU time: forks the command from a small process and reports its own
+
+
+def timed(argv: list[str], report: Path) -> list[str]:
+    """`argv` run under GNU time, which writes its peak RSS (KiB), user and system CPU s to
+    `report`. (A child's ru_maxrss from our own wait4 would include the pages of this process
+    at the fork: the benchmark's own hundred-odd MiB.)"""
+    return [TIME, "-f", "%M %U %S", "-o", str(report), *argv]
+
+
+def read_timed(report: Path) -> tuple[float, float]:
+    """(peak RSS MiB, CPU s) from `timed`'s report."""
+    rss_kib, user, system = report.read_text().split()[-3:]
+    return _mib(int(rss_kib)), float(user) + float(system)
+
+
+def run_measured(argv: list[str], tmp: Path) -> dict[str, Any]:
+    """Run `argv` to its end: wall s, CPU s (user + sys) and peak RSS MiB of that process
+    alone, exit code, stdout, stderr."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "160", "LINES": "50"}
+    report = tmp / "time.txt"
+    t0 = time.monotonic()
+    done = subprocess.run(timed(argv, report), cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.monotonic() - t0
+    rss, cpu = read_timed(report)
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "peak_rss_mib": rss,
+        "code": done.returncode,
+        "stdout": done.stdout,
+        "stderr": done.stderr,
+    }
+
+
+class Sampler:
+    """The peak RSS of a process, sampled every `every_s` (its VmHWM covers its whole life)."""
+
+    def __init__(self, pid: int, every_s: float = 0.25) -> None:
+        self.pid, self.every_s, self.peak_kib = pid, every_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.peak_kib = max(self.peak_kib, _status_kib(self.pid, "VmRSS"))
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak_kib
+
+
+# ----------------------------------------------------------------------------- 1. rollout
+
+
+def bench_rollout(tmp: Path, n: int) -> dict[str, Any]:
+    from tests.support.broker import Mosquitto
+    from tests.support.fleetsim import FleetSim, SimDevice, SimModels, scratch_root
+
+    broker = Mosquitto(tmp / "broker")
+    try:
+        with scratch_root(tmp / "fleet") as root:
+            models = SimModels.create(tmp / "models")
+            bundle = models.bundle(tmp / "u1.tar", version=1)
+            config = tmp / "agent.toml"
+            config.write_text("")
+            devices = [SimDevice(f"dev-{i:05d}") for i in range(n)]
+            sim = FleetSim(
+                broker.url, root, devices, trusted_keys_dir=models.trusted,
+                shipped=models.shipped, health_interval_s=30.0,
+            )  # fmt: skip
+            with sim:
+                time.sleep(5)  # the births and first health are in; the broker is idle
+                bpid = broker.proc.pid  # type: ignore[union-attr]
+                idle_rss = _status_kib(bpid, "VmRSS")
+                sim_idle_rss = _status_kib("self", "VmRSS")
+                c0 = time.process_time()
+                time.sleep(5)
+                sim_idle_cpu = (time.process_time() - c0) / 5
+                threads = sim.threads()
+                argv = [
+                    sys.executable, "-m", "agent", "fleet", "rollout", "start", str(bundle),
+                    "--target", "all", "--waves", "1%,10%,50%,100%", "--soak", "1s",
+                    "--wave-timeout", "300s", "--id", "bench", "--json",
+                    "--broker", broker.url, "--config", str(config),
+                    "--rollouts-dir", str(tmp / "rollouts"),
+                ]  # fmt: skip
+                sampler = Sampler(bpid)
+                b0, s0, t0 = _cpu_s(bpid), time.process_time(), time.monotonic()
+                env = {**os.environ, "PYTHONPATH": str(ROOT)}
+                out_path = tmp / "report.json"
+                with open(out_path, "w") as out, open(tmp / "rollout.err", "w") as err:
+                    proc = subprocess.run(
+                        timed(argv, tmp / "time.txt"), cwd=ROOT, env=env, stdout=out, stderr=err
+                    )
+                op_rss, op_cpu = read_timed(tmp / "time.txt")
+                wall = time.monotonic() - t0
+                broker_cpu = _cpu_s(bpid) - b0
+                sim_cpu = time.process_time() - s0
+                broker_peak = max(sampler.stop(), _status_kib(bpid, "VmRSS"))
+                if proc.returncode != 0:
+                    why = (tmp / "rollout.err").read_text()[-2000:]
+                    raise RuntimeError(f"rollout exited {proc.returncode}: {why}")
+                rep = json.loads(out_path.read_text())
+                committed = sum(sim.phase(d.device_id) == "committed" for d in devices)
+                offered_once = sum(sim.offers(d.device_id) == 1 for d in devices)
+                result = {
+                    "devices": n,
+                    "start_s": sim.started_s,
+                    "rollout_wall_s": wall,
+                    "operator_cpu_s": op_cpu,
+                    "operator_peak_rss_mib": op_rss,
+                    "broker_idle_rss_mib": _mib(idle_rss),
+                    "broker_peak_rss_mib_sampled": _mib(broker_peak),
+                    "broker_hwm_mib": _mib(_status_kib(bpid, "VmHWM")),
+                    "broker_cpu_s": broker_cpu,
+                    "sim_idle_rss_mib": _mib(sim_idle_rss),
+                    "sim_peak_rss_mib": _mib(_status_kib("self", "VmHWM")),
+                    "sim_threads": threads,
+                    "sim_idle_cpu_cores": sim_idle_cpu,
+                    "sim_cpu_s": sim_cpu,
+                    "state": rep["state"],
+                    "committed": rep["committed"],
+                    "committed_seen_by_sim": committed,
+                    "offered_once": offered_once,
+                    "waves": [
+                        {
+                            k: w[k]
+                            for k in (
+                                "wave",
+                                "percent",
+                                "offered",
+                                "committed",
+                                "failed",
+                                "duration_s",
+                            )
+                        }
+                        for w in rep["waves"]
+                    ],
+                }
+    finally:
+        broker.stop()
+    return result
+
+
+# ----------------------------------------------------------------------------- 2. watch, inventory
+
+
+def publish_fleet(broker: Any, n: int) -> float:
+    """Retained state and health of `n` devices, from one client; the seconds it took."""
+    from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
+    from agent.pb.edge_agent.v1 import agent_pb2
+
+    publisher: Any = importlib.import_module("tests.unit.operator.test_fleet_operator").Publisher
+
+    now = time.time()
+    sha = "ab" * 32
+    t0 = time.monotonic()
+    with publisher(broker) as pub:
+        for i in range(n):
+            dev = f"dev-{i:05d}"
+            group = f"site-{i % 20:02d}"
+            kind = pb.DeviceState.LOST if i % 97 == 0 else pb.DeviceState.ONLINE
+            state = pb.DeviceState(
+                state=kind, session=3, device_id=dev, agent_version="0.9.0",
+                profile="raspberry-pi-5", model="tiny 1.0 int8", model_sha256=sha,
+                timestamp_unix=now - 600, group=group, tags=["bench", f"rack-{i % 7}"],
+                arch="aarch64",
+            )  # fmt: skip
+            health = pb.Health(
+                seq=9, session=3, device_id=dev, timestamp_unix=now - 5, agent_state="serving",
+                agent_version="0.9.0", profile="raspberry-pi-5",
+                model=pb.ModelRef(name="tiny", version="1.0", quantization="int8", sha256=sha),
+                accelerator="cpu", uptime_s=3600,
+                memory=pb.Memory(rss_bytes=300 * MIB, budget_bytes=512 * MIB),
+                requests=pb.Requests(
+                    total=1200, failed=int(i % 50 == 0),
+                    ttft_ms=agent_pb2.Percentiles(p50=85.0, p95=140.0),
+                    decode_tok_s=agent_pb2.Percentiles(p50=12.5, p95=10.0),
+                ),
+                thermal=pb.Thermal(max_celsius=55.0 + i % 30, throttled_known=True),
+                disk=pb.Disk(path="/var/lib/edge-agent", free_bytes=2 << 30, total_bytes=8 << 30),
+                group=group, tags=["bench", f"rack-{i % 7}"], arch="aarch64",
+            )  # fmt: skip
+            topic = f"{PREFIX}/{dev}"
+            pub.publish(f"{topic}/state", state.SerializeToString(), state.DESCRIPTOR.full_name)
+            pub.publish(f"{topic}/health", health.SerializeToString(), health.DESCRIPTOR.full_name)
+            if len(pub.pending) >= 2000:
+                pub.flush()
+        pub.flush()
+    return time.monotonic() - t0
+
+
+def redraw_ms(url: str, rounds: int) -> dict[str, float]:
+    """The live `watch`'s cost per redraw at this size, in this process: the table of a
+    160x40 terminal (`render`, sorting every device) and the inventory's rows, median ms."""
+    from agent.config.file import parse_broker
+    from agent.fleet.mqtt import MqttOptions
+    from agent.operator.client import watch
+    from agent.operator.inventory import inventory
+    from agent.operator.render import render
+
+    opts = MqttOptions(broker=parse_broker("bench", "broker", url))
+    view = watch(opts, PREFIX, once=True, settle_s=1.0, timeout_s=60.0, out=None)
+    now = time.time()
+    timings: dict[str, list[float]] = {"render 40 rows": [], "inventory rows": []}
+    for _ in range(max(rounds, 5)):
+        t0 = time.perf_counter()
+        render(view, now, 160, max_rows=40)
+        timings["render 40 rows"].append((time.perf_counter() - t0) * 1000)
+        t0 = time.perf_counter()
+        inventory(view)
+        timings["inventory rows"].append((time.perf_counter() - t0) * 1000)
+    return {k: statistics.median(v) for k, v in timings.items()}
+
+
+def bench_inventory(tmp: Path, n: int, rounds: int) -> dict[str, Any]:
+    from tests.support.broker import Mosquitto
+
+    broker = Mosquitto(tmp / "broker")
+    try:
+        publish_s = publish_fleet(broker, n)
+        bpid = broker.proc.pid  # type: ignore[union-attr]
+        config = tmp / "agent.toml"
+        config.write_text("")
+        conn = ["--broker", broker.url, "--config", str(config)]
+        py = [sys.executable, "-m", "agent", "fleet"]
+        commands = {
+            "watch --once": [*py, "watch", "--once", *conn],
+            "watch --once --json": [*py, "watch", "--once", "--json", *conn],
+            "watch --once --group site-03": [*py, "watch", "--once", "--group", "site-03", *conn],
+            "inventory": [*py, "inventory", *conn],
+            "inventory --json": [*py, "inventory", "--json", *conn],
+            "start-up (watch --help)": [*py, "watch", "--help"],
+        }
+        out: dict[str, Any] = {
+            "redraw_ms": redraw_ms(broker.url, rounds),
+            "devices": n,
+            "messages": 2 * n,
+            "publish_s": publish_s,
+            "broker_rss_mib": _mib(_status_kib(bpid, "VmRSS")),
+            "commands": {},
+        }
+        for name, argv in commands.items():
+            runs = []
+            for _ in range(rounds):
+                r = run_measured(argv, tmp)
+                if r["code"] != 0:
+                    raise RuntimeError(f"{name} exited {r['code']}: {r['stderr'][-1000:]}")
+                if "--json" in argv:
+                    rows = len(json.loads(r["stdout"]))
+                    want = n // 20 if "--group" in argv else n
+                    if rows != want:
+                        raise RuntimeError(f"{name}: {rows} rows, expected {want}")
+                runs.append(r)
+            out["commands"][name] = {
+                k: statistics.median(r[k] for r in runs)
+                for k in ("wall_s", "cpu_s", "peak_rss_mib")
+            } | {"output_bytes": len(runs[0]["stdout"])}
+    finally:
+        broker.stop()
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def body(roll: dict[str, Any], inv: dict[str, Any], machine: str) -> str:
+    lines = [
+        "## Fleet at scale (1,000 simulated devices, 10,000 retained)",
+        "",
+        f"`benchmarks/bench_fleet.py`, {machine}, mosquitto on loopback. The devices are",
+        "tests/support/fleetsim.py's: each the real fleet link and the real update machine",
+        "(signatures,",
+        "MQTT block download, delta patching, store on tmpfs) against a stub engine, all in one",
+        "process; the operator is `edge-agent fleet rollout start --target all --waves",
+        "1%,10%,50%,100% --soak 1s` as its own process. Trial 1 s, health every 30 s.",
+        "",
+        f"**Rollout to {roll['devices']} devices**: {roll['state']}, {roll['committed']} committed "
+        f"(each offered once: {roll['offered_once']}), {roll['rollout_wall_s']:.1f} s from the",
+        "operator's start to its report.",
+        "",
+        "| wave | devices offered | committed | duration |",
+        "|---|---|---|---|",
+    ]
+    for w in roll["waves"]:
+        lines.append(
+            f"| {w['wave']} ({w['percent']:g}%) | {w['offered']} | {w['committed']} | "
+            f"{w['duration_s']:.1f} s |"
+        )
+    lines += [
+        "",
+        "| process | CPU | RSS |",
+        "|---|---|---|",
+        f"| operator (`fleet rollout`) | {roll['operator_cpu_s']:.1f} s | peak "
+        f"{roll['operator_peak_rss_mib']:.0f} MiB |",
+        f"| mosquitto | {roll['broker_cpu_s']:.1f} s during the rollout | "
+        f"{roll['broker_idle_rss_mib']:.1f} MiB with {roll['devices']} connected and idle, peak "
+        f"{roll['broker_hwm_mib']:.1f} MiB |",
+        f"| simulator ({roll['devices']} devices, {roll['sim_threads']} threads) | "
+        f"{roll['sim_cpu_s']:.1f} s during the rollout, {roll['sim_idle_cpu_cores']:.2f} cores "
+        f"idle | {roll['sim_idle_rss_mib']:.0f} MiB idle, peak "
+        f"{roll['sim_peak_rss_mib']:.0f} MiB |",
+        "",
+        f"The simulator starts its {roll['devices']} devices (births on the broker, 50 at a time)",
+        f"in {roll['start_s']:.1f} s. Its threads: one per device (the fleet link's network",
+        "thread, which runs paho's loop), one event loop for every updater, a pool of 16.",
+        "",
+        f"**`fleet watch` and `fleet inventory` with {inv['devices']:,} devices** "
+        f"({inv['messages']:,} retained messages, published by one client in "
+        f"{inv['publish_s']:.1f} s; mosquitto then holds {inv['broker_rss_mib']:.0f} MiB). Each "
+        "command as its own process, median of the rounds; the `--once` commands wait for",
+        "1 s without a retained message (`--settle`, the default) before they print.",
+        "",
+        "| command | wall | CPU | peak RSS | output |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in inv["commands"].items():
+        lines.append(
+            f"| `{name}` | {r['wall_s']:.2f} s | {r['cpu_s']:.2f} s | "
+            f"{r['peak_rss_mib']:.0f} MiB | {r['output_bytes'] / 1024:.0f} KiB |"
+        )
+    rd = inv["redraw_ms"]
+    lines += [
+        "",
+        f"The live `fleet watch` redraws at most twice a second; at {inv['devices']:,} devices one "
+        f"redraw of a 160x40 terminal (`render`: every device sorted, 40 rows formatted) takes "
+        f"{rd['render 40 rows']:.0f} ms, the inventory's rows {rd['inventory rows']:.0f} ms "
+        "(in-process, median).",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--devices", type=int, default=1000, help="simulated devices (rollout)")
+    ap.add_argument("--inventory-devices", type=int, default=10000)
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each watch/inventory command")
+    ap.add_argument("--no-write", action="store_true", help="print only, do not touch docs/")
+    args = ap.parse_args()
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    machine = f"{os.cpu_count()} cores {platform.machine()}, Python {platform.python_version()}"
+    with tempfile.TemporaryDirectory(prefix="bench-fleet-") as d:
+        tmp = Path(d)
+        roll = bench_rollout(tmp / "rollout", args.devices)
+        print(json.dumps(roll, indent=2), flush=True)
+        inv = bench_inventory(tmp / "inventory", args.inventory_devices, args.rounds)
+        print(json.dumps(inv, indent=2), flush=True)
+    text = body(roll, inv, machine)
+    print(text)
+    if not args.no_write:
+        write_section("fleet", {"machine": machine, "rollout": roll, "inventory": inv}, text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""A real RabbitMQ (Debian's rabbitmq-server, its MQTT plugin: MQTT 3.1.1) on loopback ports,
+the second, independent broker implementation the fleet tests run against (docs/FLEET.md,
+"Brokers"). Everything it writes lives under the given directory: its own node name, Erlang
+cookie ($HOME), Mnesia and log directories, config file and enabled-plugins file, and its own
+epmd on a free port, so that it touches nothing of a RabbitMQ installed as a service.
+
+    broker = RabbitMQ(tmp_path)      # anonymous MQTT on 127.0.0.1:<free port>; ~8 s to start
+    broker.url, broker.port, broker.version
+    broker.stop()                    # SIGTERM, then SIGKILL of whatever is left, and its epmd
+
+It offers the same `port`, `url` and `pki` (None: plain TCP) as tests/support/broker.py's Mosquitto.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
+from tests.support.broker import Pki, free_port
+
+RABBITMQ_BIN = Path("/usr/lib/rabbitmq/bin")  # the Debian package's scripts (no user switch)
+EPMD = shutil.which("epmd") or "/usr/bin/epmd"
+
+
+def installed() -> bool:
+    return (RABBITMQ_BIN / "rabbitmq-server").exists() and Path(EPMD).exists()
+
+
+class RabbitMQ:
+    """RabbitMQ with rabbitmq_mqtt listening on 127.0.0.1 only (MQTT, AMQP, Erlang
+    distribution and epmd), anonymous MQTT logins mapped to the user "guest"."""
+
+    pki: Pki | None = None
+
+    def __init__(self, tmp: Path, start_timeout: float = 90.0) -> None:
+        self.dir = tmp / "rabbitmq"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.amqp_port = free_port()
+        self.dist_port = free_port()
+        self.epmd_port = free_port()
+        self.node = f"edge-test-{os.getpid()}-{self.port}@localhost"
+        self.conf = self.dir / "rabbitmq.conf"
+        self.conf.write_text(
+            "\n".join(
+                [
+                    f"listeners.tcp.default = 127.0.0.1:{self.amqp_port}",
+                    f"mqtt.listeners.tcp.default = 127.0.0.1:{self.port}",
+                    "mqtt.allow_anonymous = true",
+                    "mqtt.default_user = guest",
+                    "mqtt.default_pass = guest",
+                    "mqtt.vhost = /",
+                    "mqtt.exchange = amq.topic",
+                    "log.console = false",
+                    "log.file.level = info",
+                ]
+            )
+            + "\n"
+        )
+        env_file = self.dir / "rabbitmq-env.conf"  # instead of /etc/rabbitmq/rabbitmq-env.conf
+        env_file.write_text("")
+        keep = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("RABBITMQ_", "ERL_")) and k != "NOTIFY_SOCKET"
+        }
+        self.env = {
+            **keep,
+            "HOME": str(self.dir),  # the Erlang cookie
+            "RABBITMQ_CONF_ENV_FILE": str(env_file),
+            "RABBITMQ_NODENAME": self.node,
+            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+            "RABBITMQ_NODE_PORT": str(self.amqp_port),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
+            "ERL_EPMD_ADDRESS": "127.0.0.1",
+            "ERL_EPMD_PORT": str(self.epmd_port),
+            "RABBITMQ_MNESIA_BASE": str(self.dir / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(self.dir / "log"),
+            "RABBITMQ_CONFIG_FILE": str(self.conf),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(self.dir / "advanced.config"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.dir / "enabled_plugins"),
+            "RABBITMQ_PLUGINS_EXPAND_DIR": str(self.dir / "plugins-expand"),
+            "RABBITMQ_PID_FILE": str(self.dir / "rabbitmq.pid"),
+        }
+        if not installed():
+            raise RuntimeError(
+                f"no RabbitMQ in {RABBITMQ_BIN} or no {EPMD}: apt-get install rabbitmq-server "
+                "(scripts/test does)"
+            )
+        subprocess.run(
+            [str(RABBITMQ_BIN / "rabbitmq-plugins"), "--offline", "enable", "rabbitmq_mqtt"],
+            env=self.env,
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        self.epmd: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.version = ""
+        try:
+            self.start(start_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        # our own epmd in the foreground, so that the node does not start a detached one
+        self.epmd = subprocess.Popen(
+            [EPMD, "-port", str(self.epmd_port), "-address", "127.0.0.1"],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        _wait_listening(self.epmd_port, deadline, self.epmd, "epmd")
+        with open(self.dir / "stdout.log", "ab") as out:  # the child keeps its own copy
+            self.proc = subprocess.Popen(
+                [str(RABBITMQ_BIN / "rabbitmq-server")],
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: stop() can end all of it
+            )
+        _wait_listening(self.port, deadline, self.proc, "rabbitmq", self.read_log)
+        # the listener accepts before the plugin's client-id tracking is ready: wait for a
+        # real CONNACK
+        while not _mqtt_connects(self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"rabbitmq's MQTT plugin did not accept:\n{self.read_log()}")
+            time.sleep(0.2)
+        found = re.search(r"Starting RabbitMQ (\S+) on Erlang (\S+)", self.read_log())
+        self.version = f"{found.group(1)} (Erlang {found.group(2)})" if found else "?"
+
+    def stop(self) -> None:
+        """SIGTERM (RabbitMQ shuts down cleanly), then SIGKILL to its whole process group if
+        it is still there after 30 s, then our epmd."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(30)
+            # the Erlang VM and its helpers, even if the wrapper script has gone
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.proc = None
+        if self.epmd is not None:
+            self.epmd.kill()
+            self.epmd.wait()
+            self.epmd = None
+
+    def read_log(self) -> str:
+        path = self.dir / "log" / f"{self.node}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _wait_listening(
+    port: int,
+    deadline: float,
+    proc: subprocess.Popen[bytes],
+    name: str,
+    log: Callable[[], str] | None = None,
+) -> None:
+    while True:
+        if proc.poll() is not None:
+            detail = log() if log is not None else ""
+            raise RuntimeError(f"{name} exited with {proc.returncode}\n{detail}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                detail = log() if log is not None else ""
+                raise RuntimeError(f"{name} did not listen on port {port}\n{detail}") from None
+            time.sleep(0.1)
+
+
+def _mqtt_connects(port: int) -> bool:
+    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="ready-probe", protocol=mqtt.MQTTv311)
+    try:
+        c.connect("127.0.0.1", port, keepalive=10)
+        deadline = time.monotonic() + 5
+        while not c.is_connected() and time.monotonic() < deadline:
+            if c.loop(0.1) != mqtt.MQTT_ERR_SUCCESS:
+                return False
+        ok = c.is_connected()
+        c.disconnect()
+        return ok
+    except OSError:
+        return False
