@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peer.workers import peak_rss_mib, prompt_text, stream_timing
+from benchmarks.peer.measure import peak_rss_mib, prompt_text, stream_timing
 
 VERIFY_CALLS = 40  # timed calls per signature (after 5 untimed ones)
 SAMPLED = "@sampled"  # a key ending so: its prompt sampled (temperature 0.8, top-k 40, seed 0)
