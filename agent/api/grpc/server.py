@@ -4,7 +4,7 @@ path, before binding and after serving, is `agent.api.unixsocket`'s to decide.
 
 Wire messages become domain values in `agent.api.grpc.convert` and never travel inward; domain
 errors become gRPC status codes in `agent.api.grpc.service`. The engine runs on its own thread; its
-events reach the stream through `agent.api.grpc.stream`.
+events reach the stream through `agent.api.bridge`.
 """
 
 from __future__ import annotations

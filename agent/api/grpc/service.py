@@ -2,7 +2,7 @@
 leniently and turn domain errors into gRPC status codes (`agent.base.errors.GRPC_STATUS`).
 
 Wire messages become domain values in `agent.api.grpc.convert` and never travel inward; a
-streamed Generate takes its events through `agent.api.grpc.stream`.
+streamed Generate takes its events through `agent.api.bridge`.
 
 Every call that touches a session runs as its caller's owner (`agent.api.identity`): the hash
 of the client key in the call's metadata, or "" for everyone when `[sessions] share = true`.
@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import grpc
 from google.protobuf.message import DecodeError
 
+from agent.api.bridge import EventPipe, merge_events
 from agent.api.grpc.convert import (
     ToolReader,
     model_info_message,
@@ -26,7 +27,6 @@ from agent.api.grpc.convert import (
     to_request,
     to_response,
 )
-from agent.api.grpc.stream import EventPipe, merge_events
 from agent.api.identity import key_from_metadata, owner_of
 from agent.base.errors import (
     ERROR_TRAILER,
@@ -135,7 +135,9 @@ class AgentService:
         config = self._backend.config
         interval = config.server.stream_interval_ms / 1000
         flush_at = config.limits.max_pending_events // 2
-        pipe = EventPipe(asyncio.get_running_loop(), interval, flush_at)
+        pipe: EventPipe[TokenEvent] = EventPipe(
+            asyncio.get_running_loop(), interval, flush_at, first_alone=True
+        )
         metrics = self._backend.metrics
         sink = pipe.put if metrics is None else _counted(pipe.put, metrics)
         try:

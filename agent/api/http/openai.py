@@ -5,7 +5,7 @@ whole), `GET /v1/models`, `GET /health`, and `GET /metrics` when the daemon coun
 go to the same engine, queue and limits as gRPC's (`Backend`); OpenAI JSON becomes the
 engine's request in `agent.api.http.convert`, and domain errors become statuses in
 `agent.api.http.errors`. The engine runs on its own thread: its events reach the handler through
-`loop.call_soon_threadsafe` (`_Events`), and each is acknowledged, so the engine pauses a
+`loop.call_soon_threadsafe` (`agent.api.bridge`), and each is acknowledged, so the engine pauses a
 request whose client reads slowly (`limits.max_pending_events`): nothing queues without bound.
 
 A client that goes away cancels its request: a stream's generator is cancelled when the
@@ -16,7 +16,6 @@ sees the disconnect (`_wait_or_gone`); either way `handle.cancel()` stops it wit
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import logging
@@ -31,6 +30,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from agent.api.bridge import EventPipe, merge_events
 from agent.api.http import body as json_body
 from agent.api.http import convert, faults, replies
 from agent.api.http.errors import HttpError, describe, error_body, failure_kind
@@ -72,36 +72,6 @@ class Backend(Protocol):
     def config(self) -> AgentConfig:
         """The configuration in force (a reload may replace it)."""
         ...
-
-
-class _Events:
-    """Engine thread → event loop for one request (bounded by the engine's acknowledgements)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-
-    def put(self, event: TokenEvent) -> None:  # engine thread
-        # a closed loop: the daemon is exiting and nobody reads
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-
-    async def take(self) -> tuple[TokenEvent, int]:
-        """What has arrived, as one event, and how many events it was (at least one; the
-        request's end closes it)."""
-        batch = [await self._queue.get()]
-        while not self._queue.empty() and batch[-1].finish_reason is None:
-            batch.append(self._queue.get_nowait())
-        if len(batch) == 1:
-            return batch[0], 1
-        last = batch[-1]
-        return TokenEvent(
-            "".join(e.text for e in batch),
-            tuple(t for e in batch for t in e.token_ids),
-            finish_reason=last.finish_reason,
-            stats=last.stats,
-            error=last.error,
-        ), len(batch)
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:
@@ -213,11 +183,11 @@ class Api:
 
     async def _submit(
         self, engine: Engine, parsed: convert.Parsed
-    ) -> tuple[RequestHandle, _Events]:
+    ) -> tuple[RequestHandle, EventPipe[TokenEvent]]:
         """Queue the request: `engine.submit` renders and tokenizes the prompt (a 1 MiB
         message takes ~0.5 s) and compiles its constraint, so it runs on a worker thread
         while the event loop serves everyone else (`submit_off_loop`)."""
-        events = _Events(asyncio.get_running_loop())
+        events: EventPipe[TokenEvent] = EventPipe(asyncio.get_running_loop())
         sink = events.put
         metrics = self._metrics
         if metrics is not None:
@@ -299,7 +269,7 @@ class Api:
     async def _stream(
         self,
         handle: RequestHandle,
-        events: _Events,
+        events: EventPipe[TokenEvent],
         model: str,
         created: int,
         chat: bool,
@@ -314,7 +284,7 @@ class Api:
                     replies.chat_chunk(rid, created, model, {"role": "assistant", "content": ""})
                 )
             while True:
-                event, count = await events.take()
+                event, count = await _take(events)
                 handle.consumed(count)
                 if handle.refused is not None:  # the agent stopped before it started
                     yield _sse(error_body(str(handle.refused), "server_error", None, "unavailable"))
@@ -428,10 +398,19 @@ def _cut_note(event: TokenEvent) -> dict[str, Any]:
     return {"edge_agent": {"finish_reason": "cancelled", "message": event.error or "cancelled"}}
 
 
-async def _wait_or_gone(request: Request, events: _Events) -> tuple[TokenEvent, int] | None:
+async def _take(events: EventPipe[TokenEvent]) -> tuple[TokenEvent, int]:
+    """What has arrived, as one event, and how many events it was (at least one; the
+    request's end closes it)."""
+    batch = await events.take()
+    return merge_events(batch), len(batch)
+
+
+async def _wait_or_gone(
+    request: Request, events: EventPipe[TokenEvent]
+) -> tuple[TokenEvent, int] | None:
     """The next event, or None once the client has disconnected (its body is read, so the
     next ASGI message is the disconnect)."""
-    take = asyncio.ensure_future(events.take())
+    take = asyncio.ensure_future(_take(events))
     gone = asyncio.ensure_future(request.receive())
     try:
         done, _ = await asyncio.wait({take, gone}, return_when=asyncio.FIRST_COMPLETED)

@@ -82,18 +82,20 @@ def test_an_end_with_nothing_held_and_one_token_per_event_pass_through_as_they_a
 
 
 def test_the_stream_pipe_waits_for_its_interval_only_while_few_events_wait() -> None:
-    """agent.api.grpc.stream.EventPipe with an interval of an hour: the first event, `flush_at`
-    waiting events and the last event go out at once (a pipe that waited for the interval
-    would hang here until the 60 s limit); fewer wait for the interval."""
+    """agent.api.bridge.EventPipe as gRPC sets it up, with an interval of an hour: the first
+    event, `flush_at` waiting events and the last event go out at once (a pipe that waited for
+    the interval would hang here until the 60 s limit); fewer wait for the interval."""
     import asyncio
 
-    from agent.api.grpc.stream import EventPipe
+    from agent.api.bridge import EventPipe
 
     def ev(i: int, end: str | None = None) -> TokenEvent:
         return TokenEvent(str(i), (i,), finish_reason=end)
 
     async def main() -> None:
-        pipe = EventPipe(asyncio.get_running_loop(), interval_s=3600.0, flush_at=4)
+        pipe = EventPipe(
+            asyncio.get_running_loop(), interval_s=3600.0, flush_at=4, first_alone=True
+        )
         pipe.put(ev(1))
         pipe.put(ev(2))  # the first message is the first event alone
         assert await asyncio.wait_for(pipe.take(), 60) == [ev(1)]
@@ -110,6 +112,33 @@ def test_the_stream_pipe_waits_for_its_interval_only_while_few_events_wait() -> 
     asyncio.run(main())
 
 
+def test_the_http_pipe_takes_what_has_arrived_up_to_the_end_and_merges_it() -> None:
+    """agent.api.bridge.EventPipe as HTTP sets it up (no interval, the first event not alone):
+    everything waiting goes out at once, never past a request's end; merge_events joins the
+    text and ids and keeps the last event's end, stats and error."""
+    import asyncio
+
+    from agent.api.bridge import EventPipe, merge_events
+
+    first, second = TokenEvent("a", (1,)), TokenEvent("b", (2,))
+    end = TokenEvent("c", (3,), finish_reason="cancelled", error="deadline exceeded")
+
+    async def main() -> None:
+        pipe: EventPipe[TokenEvent] = EventPipe(asyncio.get_running_loop())
+        pipe.put(first)
+        pipe.put(second)
+        assert await asyncio.wait_for(pipe.take(), 60) == [first, second]
+        pipe.put(end)
+        pipe.put(first)  # never in the same batch as an end before it
+        assert await asyncio.wait_for(pipe.take(), 60) == [end]
+
+    asyncio.run(main())
+    assert merge_events([first]) is first
+    assert merge_events([first, second, end]) == TokenEvent(
+        "abc", (1, 2, 3), finish_reason="cancelled", error="deadline exceeded"
+    )
+
+
 # ----------------------------------------------------------------------------- real engine
 
 
@@ -120,8 +149,10 @@ def engines(tiny_model_dir, dev_profile_data):
     from agent.profile import parse_profile, profiles_dir
 
     profile = parse_profile(dev_profile_data, profiles_dir() / "generic-x86_64.toml")
-    one = Engine(profile, tiny_model_dir, quantization="fp32", limits=EngineLimits(event_tokens=1))
-    batched = Engine(
+    one = Engine.load(
+        profile, tiny_model_dir, quantization="fp32", limits=EngineLimits(event_tokens=1)
+    )
+    batched = Engine.load(
         profile,
         tiny_model_dir,
         quantization="fp32",
