@@ -2,7 +2,8 @@
 the last level of a directory it was given (as systemd's ``RuntimeDirectory=`` and
 ``StateDirectory=`` do), never a whole path a typo made up, and replace files crash-safely.
 
-Crash-safe file replacement: temp file beside the target, fsync, rename, fsync the directory.
+Crash-safe file replacement (`atomic_write`, the one every part uses): temp file beside the
+target, its mode, fsync, rename, fsync the directory.
 After a crash the target holds either its old or its new content, never a mix. A crash
 mid-write can leave a temp file (``.<name>.<random>.tmp``); `is_temp` recognises those so
 that a startup scan can delete them.
@@ -11,6 +12,7 @@ that a startup scan can delete them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import stat
@@ -102,30 +104,43 @@ def atomic_write(
     """Replace `path` (`mode`, 0600 by default) with what `write` writes; with modification
     time `mtime_ns` when given.
 
-    Raises the `OSError` of a failed step; the temp file is removed whatever fails.
+    The temp file is created exclusively (it is never someone else's file) and its mode set on
+    the open file, whatever the umask, before the data is synced. Raises the `OSError` of a
+    failed step (the directory's sync: `sync_dir`); the temp file is removed whatever fails.
     """
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
+            os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
         if mtime_ns is not None:
             os.utime(tmp, ns=(mtime_ns, mtime_ns))
-        if mode != 0o600:  # mkstemp's
-            os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    # Durability of the rename is best effort: some filesystems refuse fsync on a directory.
-    with contextlib.suppress(OSError):
-        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    sync_dir(path.parent)
+
+
+# a directory this process may not open, or whose filesystem does not sync directories
+_NO_DIR_SYNC = frozenset({errno.EACCES, errno.EPERM, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
+
+
+def sync_dir(path: Path) -> None:
+    """fsync directory `path`, so that a rename in it survives a crash. A directory that cannot
+    be synced (`_NO_DIR_SYNC`) is let be; any other failure (an I/O error) raises."""
+    try:
+        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+    except OSError as exc:
+        if exc.errno not in _NO_DIR_SYNC:
+            raise
 
 
 def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:

@@ -22,12 +22,12 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
 from agent.base.errors import AgentError, ConfigError
+from agent.base.fsutil import atomic_write_bytes
 from agent.base.shipped import shipped_dir
 from agent.base.tomltable import MiB
 from agent.profile import DeviceProfile, log_reasons, profiles_dir, resolve_profile
@@ -199,11 +199,9 @@ def npu_node_groups(profile: DeviceProfile, root: Path = Path("/")) -> list[str]
     return out
 
 
-def write_atomic(path: Path, text: str, mode: int = 0o644) -> bool:
-    """Replace `path` with `text` (temp file + fsync + rename + fsync of the directory).
-
-    Returns False, touching nothing, when the file already holds exactly `text`.
-    """
+def write_if_changed(path: Path, text: str, mode: int = 0o644) -> bool:
+    """Replace `path` with `text` crash-safely (`agent.base.fsutil.atomic_write`), creating its
+    directories; returns False, touching nothing, when the file already holds exactly `text`."""
     data = text.encode("utf-8")
     try:
         if path.read_bytes() == data:
@@ -211,22 +209,7 @@ def write_atomic(path: Path, text: str, mode: int = 0o644) -> bool:
     except OSError:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fchmod(f.fileno(), mode)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    atomic_write_bytes(path, data, mode=mode)
     return True
 
 
@@ -267,7 +250,7 @@ def install(
         (system / f"{UNIT_NAME}.d" / DROPIN_NAME, dropin),
         (sysusers, render_sysusers(socket_group)),
     ]
-    changed = [path for path, text in files if write_atomic(path, text)]
+    changed = [path for path, text in files if write_if_changed(path, text)]
     for path in changed:
         log.info("wrote %s", path)
     if live and reload and changed:

@@ -30,7 +30,7 @@ from agent.systemd.units import (
     register_cli,
     render_dropin,
     units_dir,
-    write_atomic,
+    write_if_changed,
 )
 
 MiB = 1 << 20
@@ -225,7 +225,7 @@ def test_socket_group(dev_profile: DeviceProfile) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# install and write_atomic
+# install and write_if_changed
 
 
 def _tree(root: Path) -> dict[str, tuple[int, int, bytes]]:
@@ -266,14 +266,14 @@ def test_install_is_atomic_and_idempotent(tmp_path: Path, dev_profile: DevicePro
     assert paths[2].read_text().splitlines()[-1] == "g apps -"
 
 
-def test_write_atomic_failure_leaves_no_temporary(tmp_path: Path) -> None:
+def test_write_if_changed_failure_leaves_no_temporary(tmp_path: Path) -> None:
     target = tmp_path / "unit.service"
     target.mkdir()  # rename onto a directory fails
     with pytest.raises(OSError):
-        write_atomic(target, "[Unit]\n")
+        write_if_changed(target, "[Unit]\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["unit.service"]
-    assert write_atomic(tmp_path / "new" / "a.conf", "x\n")
-    assert not write_atomic(tmp_path / "new" / "a.conf", "x\n")
+    assert write_if_changed(tmp_path / "new" / "a.conf", "x\n")
+    assert not write_if_changed(tmp_path / "new" / "a.conf", "x\n")
 
 
 def test_device_groups_from_the_nodes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
