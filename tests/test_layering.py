@@ -91,6 +91,7 @@ WIRE_IMPORTERS = (
 )  # fmt: skip
 
 MAX_LINES = 450  # "no hand-written module over ~400 lines"
+MAX_MODULES = 16  # a folder a newcomer can read by its names: more, and it hides a noun
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,18 @@ def long_modules(root: Path = AGENT) -> list[str]:
     ]
 
 
+def crowded_folders(root: Path = AGENT) -> list[str]:
+    counts: dict[Path, int] = {}
+    for path in modules(root).values():
+        if path.name != "__init__.py":
+            counts[path.parent] = counts.get(path.parent, 0) + 1
+    return [
+        f"{folder}: {n} modules (give a noun among them its own folder: at most {MAX_MODULES})"
+        for folder, n in sorted(counts.items())
+        if n > MAX_MODULES
+    ]
+
+
 def test_every_import_between_parts_is_allowed() -> None:
     assert layering_violations() == []
 
@@ -247,6 +260,10 @@ def test_wire_types_stop_at_the_adapters() -> None:
 
 def test_no_hand_written_module_is_too_long() -> None:
     assert long_modules() == []
+
+
+def test_no_folder_is_crowded() -> None:
+    assert crowded_folders() == []
 
 
 # The checker itself, on a small package written here: each rule must catch what it names.
@@ -361,6 +378,10 @@ def test_the_checker_finds_an_unknown_part_and_a_long_module(tmp_path: Path) -> 
     root = _package(tmp_path, {"gadget.py": "x = 1\n" * (MAX_LINES + 1)})
     assert any("'gadget' is not in" in v for v in layering_violations(root))
     assert len(long_modules(root)) == 1
+    crowd = {f"kv/m{i}.py": "" for i in range(MAX_MODULES + 1)}
+    assert crowded_folders(_package(tmp_path / "crowded", {"kv/__init__.py": "", **crowd})) != []
+    del crowd["kv/m0.py"]
+    assert crowded_folders(_package(tmp_path / "fits", {"kv/__init__.py": "", **crowd})) == []
 
 
 if __name__ == "__main__":
@@ -370,6 +391,7 @@ if __name__ == "__main__":
         *foreign_importers(AGENT, LITERT, LITERT_IMPORTERS),
         *foreign_importers(AGENT, WIRE, WIRE_IMPORTERS),
         *long_modules(),
+        *crowded_folders(),
     ]
     print("\n".join(problems) or "the layering holds")
     sys.exit(1 if problems else 0)
