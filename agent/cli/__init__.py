@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from agent.systemd.units import register_cli
+    from agent.cli.systemd import add_systemd_parser
 
     add_profile_parser(sub)
     add_model_parser(sub)
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fleet_parser(sub)
     add_keys_parser(sub)
     add_update_parser(sub)
-    register_cli(sub)
+    add_systemd_parser(sub)
     p = sub.add_parser("completion", help="print a shell completion script (bash, zsh)")
     p.add_argument("shell", choices=("bash", "zsh"))
     p.set_defaults(func=lambda args: _completion(parser, args.shell))

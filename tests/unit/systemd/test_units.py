@@ -1,5 +1,5 @@
-"""agent.systemd.units and systemd/: real systemd-analyze on the shipped unit and generated
-drop-ins."""
+"""agent.systemd.units, its command line (agent.cli.systemd) and systemd/: real systemd-analyze
+on the shipped unit and generated drop-ins."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from agent.base.errors import ConfigError
+from agent.cli.systemd import add_systemd_parser
 from agent.profile import DeviceProfile, load_profile, profiles_dir
 from agent.systemd.units import (
     DROPIN_NAME,
@@ -27,7 +28,6 @@ from agent.systemd.units import (
     install,
     memory_limits,
     npu_node_groups,
-    register_cli,
     render_dropin,
     units_dir,
     write_if_changed,
@@ -303,7 +303,7 @@ def test_device_groups_from_the_nodes(tmp_path: Path, caplog: pytest.LogCaptureF
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edge-agent")
     parser.add_argument("--profile")
-    register_cli(parser.add_subparsers(dest="command", required=True))
+    add_systemd_parser(parser.add_subparsers(dest="command", required=True))
     return parser
 
 
