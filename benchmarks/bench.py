@@ -109,9 +109,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for variant in meta.variants:
         q = variant.quantization
         before = rss_mib()
-        engine = Engine(profile, model_dir, quantization=q)
+        engine = Engine.load(profile, model_dir, quantization=q)
         loaded_rss = rss_mib() - before
-        interp = Engine(profile, model_dir, quantization=q, prefer_interpreter=True)
+        interp = Engine.load(profile, model_dir, quantization=q, prefer_interpreter=True)
         bare, eng, greedy, streamed, itp = [], [], [], [], []
         ttft64, ttft448, pf64, pf448 = [], [], [], []
         p64, p448 = prompt_of(engine, 64), prompt_of(engine, 448)

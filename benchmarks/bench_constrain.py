@@ -116,7 +116,7 @@ def main() -> None:
     spec = schema(n)
     constraint = Constraint("json_schema", json.dumps(spec))
     with tempfile.TemporaryDirectory() as tmp:
-        engine = Engine(profile, model_dir, state_dir=Path(tmp) / "state")
+        engine = Engine.load(profile, model_dir, state_dir=Path(tmp) / "state")
         try:
             quant = engine.info.quantization
             tok = engine.tokenizer

@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         idle_cpu_pct = 100 * (proc_cpu_s(pid) - cpu0) / (time.perf_counter() - w0)
         idle_rss = proc_rss_mib(pid)
         sock = str(d.socket)
-        engine = Engine(profile, model_dir)
+        engine = Engine.load(profile, model_dir)
         quant = engine.info.quantization
         engine_name = engine.info.name
         grpc_run(sock, 16, 0)  # warm-up both

@@ -42,7 +42,7 @@ model, quant, backend, tokens, interp = sys.argv[1:6]
 text = (profiles_dir() / "generic-x86_64.toml").read_text()
 text = re.sub(r'(?m)^backend = ".*"$', f'backend = "{backend}"', text)
 profile = parse_profile(tomllib.loads(text), "generic-x86_64.toml")
-engine = Engine(profile, Path(model), quantization=quant, prefer_interpreter=interp == "1")
+engine = Engine.load(profile, Path(model), quantization=quant, prefer_interpreter=interp == "1")
 req = GenerateRequest("import os\n", max_tokens=int(tokens), sampling=SamplingParams(0.0))
 engine.complete(req)  # warm-up
 stats = engine.complete(req).stats

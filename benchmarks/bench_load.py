@@ -62,7 +62,7 @@ def worker(argv: list[str]) -> None:
         profile = load_profile(Path(a.profile))
         _time_parts(out)
         t1 = time.perf_counter()
-        engine = Engine(profile, Path(a.model), quantization=a.quant)
+        engine = Engine.load(profile, Path(a.model), quantization=a.quant)
         out["load_s"] = time.perf_counter() - t1
         out["prepared"] = engine.info.prepared
         out["ready_unix"] = time.time()

@@ -74,7 +74,7 @@ def engine_rates(tokens: int, rounds: int) -> dict[str, dict[str, float]] | None
     if not model.exists():
         return None
     profile, _ = resolve_profile("generic-x86_64", Path("/"))
-    engine = Engine(profile, model)
+    engine = Engine.load(profile, model)
     vocab = engine.tokenizer.vocab_size
     runs: dict[str, list[float]] = {"off": [], "on": []}
     try:

@@ -81,7 +81,9 @@ def engine_with(
 
     profile = parse_profile(tomllib.loads(path.read_text()), path)
     limits = EngineLimits(max_active=1, max_sessions=64)
-    return Engine(profile, model_dir, quantization=quant, limits=limits, state_dir=tmp / "state")
+    return Engine.load(
+        profile, model_dir, quantization=quant, limits=limits, state_dir=tmp / "state"
+    )
 
 
 def ttft(engine: Engine, prompt: str, session: str | None = None) -> float:

@@ -29,7 +29,7 @@ def _open_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     log_reasons(profile.name, reasons, detected=_profile_name(args) is None)
     profile = one_shot_profile(profile)  # never the daemon's /var/cache
     model_dir = Path(args.model) if args.model else (profile.model.path or demo_model_dir())
-    return Engine(profile, model_dir, quantization=args.quantization)
+    return Engine.load(profile, model_dir, quantization=args.quantization)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -92,19 +92,19 @@ def _canary(args: argparse.Namespace, base_dir: Path, new_dir: Path) -> opb.Cana
     profile = one_shot_profile(profile)  # never the daemon's /var/cache
     quant = target_variant(load_model_dir(new_dir), args.quantization).quantization
     if args.canary_prompt:
-        engine = Engine(profile, new_dir, quantization=quant)
+        engine = Engine.load(profile, new_dir, quantization=quant)
         try:
             n = args.canary_tokens or canary.DEFAULT_TOKENS
             tokens = canary.expected_tokens(engine_model(engine), args.canary_prompt, n)
         finally:
             engine.close()
         return opb.Canary(prompt=args.canary_prompt, expected_tokens=tokens)
-    base = Engine(profile, base_dir, quantization=quant)
+    base = Engine.load(profile, base_dir, quantization=quant)
     try:
         made = canary.reference_canary(engine_model(base))
     finally:
         base.close()
-    new = Engine(profile, new_dir, quantization=quant)
+    new = Engine.load(profile, new_dir, quantization=quant)
     try:
         problem = canary.check(engine_model(new), made)
     finally:

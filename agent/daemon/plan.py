@@ -2,7 +2,8 @@
 command line (`Overrides`, which win over both).
 
 `apply_overrides` is pure; `load_plan` does the I/O a plan needs (it resolves the profile and,
-when no quantization is configured, opens the model to choose one); `build_engine` loads it.
+when no quantization is configured, opens the model to choose one); `build_engine` loads the
+plan's model (`load_plan_model`) and hands it to its engine.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from agent.base.errors import ConfigError
 from agent.config.file import AgentConfig, parse_broker
 from agent.engine.engine import Engine, EngineLimits
+from agent.engine.loading import EngineModel, load_model
 from agent.fleet.topics import check_device_id
 from agent.model.directory import ModelMeta, demo_model_dir
 from agent.model.open import open_model, unpack_cache_dir
@@ -153,14 +155,16 @@ def with_update(plan: Plan, updater: Updater | None) -> Plan:
     return dataclasses.replace(plan, model_dir=Path(ref.model_dir), quantization=ref.quantization)
 
 
-def build_engine(plan: Plan) -> Engine:
-    return Engine(
-        plan.profile,
-        plan.model_dir,
-        quantization=plan.quantization,
-        limits=plan.limits,
-        state_dir=plan.state_dir,
+def load_plan_model(plan: Plan) -> EngineModel:
+    """The plan's model loaded (its variant chosen in `load_plan`), its disk tier opened."""
+    return load_model(
+        plan.profile, plan.model_dir, quantization=plan.quantization, state_dir=plan.state_dir
     )
+
+
+def build_engine(plan: Plan) -> Engine:
+    """Load the plan's model once, then hand it to the engine that serves it."""
+    return Engine(plan.profile, load_plan_model(plan), limits=plan.limits)
 
 
 def open_plan_model(plan: Plan, model: Path) -> ModelMeta:

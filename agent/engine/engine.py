@@ -4,7 +4,8 @@ Callers `submit` a request with a sink for its events and get a `RequestHandle` 
 engine thread admits requests into a bounded number of KV slots, steps them round-robin
 (schedule → run one unit → emit), and never blocks on a caller: a request whose consumer has
 fallen behind is simply skipped until it catches up. `generate` / `complete` are the
-synchronous conveniences on top.
+synchronous conveniences on top. The engine is handed a loaded model (`loading.load_model`,
+which the daemon calls first) and does no I/O to start; `Engine.load` does both in one step.
 
 Beside it, one noun each: `loading` (the model, its tokenizer and the KV slots the budget
 holds), `intake` (a request checked and fitted to the context, or refused), `request` (the
@@ -37,13 +38,13 @@ from agent.engine.binding import PREFIX_BLOCK, bind, held_tokens, remember_prefi
 from agent.engine.generation import Generation
 from agent.engine.intake import Intake
 from agent.engine.kvpool import KVPool
-from agent.engine.loading import load_model
+from agent.engine.loading import EngineModel, kv_slots, load_model
 from agent.engine.quotas import ClientQuotas
 from agent.engine.request import Prepared, RequestHandle, Sink, unstarted_stats
 from agent.engine.sampler import Sampler
 from agent.engine.scheduler import Scheduler
 from agent.engine.sessions.calls import SessionCalls
-from agent.engine.sessions.store import SessionStore, open_disk_tier
+from agent.engine.sessions.store import SessionStore
 from agent.engine.speculation import Acceptance, speculator_for
 from agent.engine.stats import EngineStats, Tally
 from agent.engine.stopping import STOPPING_CUT, Stopping
@@ -58,41 +59,27 @@ HEARTBEAT_S = 0.5  # the idle engine thread still beats this often
 
 
 class Engine(SessionCalls, Stopping):
-    """Load a model directory under a profile; run requests on one engine thread."""
+    """Run requests on one engine thread over a loaded model (`loading.load_model`; `load`
+    does both in one call)."""
 
     def __init__(
-        self,
-        profile: DeviceProfile,
-        model_dir: Path,
-        *,
-        quantization: str | None = None,
-        verify: bool = True,
-        prefer_interpreter: bool = False,
-        limits: EngineLimits | None = None,
-        state_dir: Path | None = None,
-        kv_windows: bool = True,
+        self, profile: DeviceProfile, model: EngineModel, *, limits: EngineLimits | None = None
     ) -> None:
+        """Size the KV slots the budget holds for `limits` and start the engine thread; no
+        I/O here: the engine owns `model` from now on."""
         self.profile = profile
         self.limits = limits or EngineLimits()
-        model = load_model(
-            profile,
-            model_dir,
-            quantization=quantization,
-            verify=verify,
-            prefer_interpreter=prefer_interpreter,
-            state_dir=state_dir,
-            kv_windows=kv_windows,
-            max_active=self.limits.max_active,
-            max_sessions=self.limits.max_sessions,
+        max_active, self.memory = kv_slots(
+            model.loaded.memory, profile.kv, self.limits.max_active, self.limits.max_sessions
         )
         self.meta, self.tokenizer, self.chat = model.meta, model.tokenizer, model.chat
-        self.loaded, self.memory, self.info = model.loaded, model.memory, model.info
+        self.loaded, self.info = model.loaded, dataclasses.replace(model.info, memory=self.memory)
         self.max_sessions = self.limits.max_sessions
         self._stop_ids = model.stop_ids
         kvc = profile.kv
-        self.quotas = ClientQuotas.of(self.limits, kvc, state_dir is not None, self.info)
+        self.quotas = ClientQuotas.of(self.limits, kvc, model.disk is not None, self.info)
         self._sched: Scheduler[Prepared] = Scheduler(
-            model.max_active,
+            max_active,
             self.limits.queue_capacity,
             client=Prepared.client,
             per_client=self.quotas.waiting,
@@ -105,14 +92,13 @@ class Engine(SessionCalls, Stopping):
         self._prefix = (
             PrefixCache(kvc.prefix_max_bytes, PREFIX_BLOCK) if kvc.prefix_max_bytes else None
         )
-        sha = model.variant.sha256
         self._store = SessionStore(
             self.loaded.runner,
             pool,
-            sha,
+            model.variant.sha256,
             max_sessions=self.limits.max_sessions,
             host_budget=kvc.host_max_bytes,
-            disk=open_disk_tier(state_dir, sha, kvc.disk_max_bytes),
+            disk=model.disk,
             prefix=self._prefix,
             quotas=self.quotas,
         )
@@ -133,6 +119,32 @@ class Engine(SessionCalls, Stopping):
             pool.grow(self.memory.sessions)
         self._thread = threading.Thread(target=self._loop, name="edge-agent-engine", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def load(
+        cls,
+        profile: DeviceProfile,
+        model_dir: Path,
+        *,
+        quantization: str | None = None,
+        verify: bool = True,
+        prefer_interpreter: bool = False,
+        limits: EngineLimits | None = None,
+        state_dir: Path | None = None,
+        kv_windows: bool = True,
+    ) -> Engine:
+        """Load `model_dir` under `profile` and build its engine: the one step for callers
+        that do not keep the loaded model apart (tests, `agent generate`, benchmarks)."""
+        model = load_model(
+            profile,
+            model_dir,
+            quantization=quantization,
+            verify=verify,
+            prefer_interpreter=prefer_interpreter,
+            state_dir=state_dir,
+            kv_windows=kv_windows,
+        )
+        return cls(profile, model, limits=limits)
 
     def encode_prompt(self, request: GenerateRequest) -> list[int]:
         return self._intake.encode_prompt(request)

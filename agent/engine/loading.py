@@ -1,18 +1,24 @@
 """Opening a model for an engine: the directory (or .litertlm bundle) and its variant, the
-sha256 check, the tokenizer and chat template, the runtime's load, and how many KV caches
-the memory budget holds beside it."""
+sha256 check, the tokenizer and chat template, the runtime's load and the model's saved
+sessions, in one call (`load_model`) that the daemon makes before it hands the result to
+`Engine`; and how many KV caches the memory budget holds beside the model (`kv_slots`, pure:
+the engine sizes itself from its limits)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from agent.base.errors import ModelFormatError
 from agent.chat.template import ChatTemplate, end_of_turn_ids, template_for
+from agent.engine.sessions.store import open_disk_tier
 from agent.engine.stats import ModelInfo
+from agent.kv.disk import DiskTier
 from agent.model.directory import ModelMeta, Variant, defining_files, model_digest, sha256_file
 from agent.model.open import open_model, unpack_cache_dir
 from agent.profile import DeviceProfile, choose_quantization
+from agent.profile.schema import KVConfig
 from agent.runtime import litert
 from agent.runtime.plan import MemoryPlan, expected_plan
 from agent.runtime.prepare.cachefiles import parse_cache
@@ -22,33 +28,31 @@ from agent.tokenizer.load import load_tokenizer
 
 @dataclass(frozen=True, slots=True)
 class EngineModel:
-    """A loaded model and what the engine sizes around it."""
+    """A model opened, checked and loaded: everything an engine is built from. It is handed to
+    one engine, which owns it from then on (closes its runner, writes its disk tier)."""
 
     meta: ModelMeta
     variant: Variant
     tokenizer: Tokenizer
     chat: ChatTemplate
     loaded: litert.LoadedModel
-    memory: MemoryPlan  # the load's plan with the engine's KV caches counted
-    max_active: int  # requests holding a KV cache at once
-    info: ModelInfo
+    info: ModelInfo  # its memory is the load's plan: the engine counts its KV caches in
     stop_ids: frozenset[int]
+    disk: DiskTier | None  # the model's saved sessions under the state directory, if any
 
 
 def load_model(
     profile: DeviceProfile,
     model_dir: Path,
     *,
-    quantization: str | None,
-    verify: bool,
-    prefer_interpreter: bool,
-    state_dir: Path | None,
-    kv_windows: bool,
-    max_active: int,
-    max_sessions: int,
+    quantization: str | None = None,
+    verify: bool = True,
+    prefer_interpreter: bool = False,
+    state_dir: Path | None = None,
+    kv_windows: bool = True,
 ) -> EngineModel:
-    """Open, check and load `model_dir` under `profile`; `max_active` and `max_sessions` are
-    the engine's limits, cut to what the budget holds."""
+    """Open, check and load `model_dir` under `profile` (the variant `quantization`, else the
+    profile's choice), and open its sessions' disk tier under `state_dir`."""
     meta: ModelMeta = open_model(  # a model directory or a .litertlm bundle
         model_dir, unpack_cache_dir(profile.runtime.xnnpack_weight_cache_dir, state_dir)
     )
@@ -72,30 +76,12 @@ def load_model(
         cache_key=variant.sha256,
         kv_windows=kv_windows,
     )
-    runner = loaded.runner
-    layout = runner.layout
+    layout = loaded.runner.layout
     if layout.vocab_size < tokenizer.vocab_size:
         raise ModelFormatError(
             f"{path}: model vocabulary {layout.vocab_size} is smaller than the tokenizer's "
             f"{tokenizer.vocab_size}"
         )
-    plan = loaded.memory
-    # KV caches for running requests and bound sessions: as many as the limits ask for and
-    # the budget holds beside the one the load counted, the host tier and the prefix cache.
-    kvc = profile.kv
-    spare = plan.budget - plan.total - kvc.host_max_bytes - kvc.prefix_max_bytes
-    spare_slots = 1 + max(0, spare) // plan.kv_per_session
-    max_active = max(1, min(max_active, spare_slots))
-    bound_slots = max(0, min(max_sessions, spare_slots - max_active))
-    memory = MemoryPlan(
-        plan.weights,
-        plan.packed_weights,
-        plan.activations,
-        plan.kv_per_session,
-        max_active + bound_slots,
-        plan.budget,
-        kvc.host_max_bytes + kvc.prefix_max_bytes,
-    )
     info = ModelInfo(
         digest=model_digest(defining_files(meta)),
         name=meta.name,
@@ -110,12 +96,30 @@ def load_model(
         accelerator=loaded.accelerator,
         execution_path=loaded.path_kind,
         fallbacks=loaded.fallbacks,
-        memory=memory,
+        memory=loaded.memory,
         prepared=loaded.prepared,
     )
     # the template's end-of-turn token ends an answer even if metadata.json omits it
     stop_ids = meta.stop_ids | end_of_turn_ids(chat, tokenizer)
-    return EngineModel(meta, variant, tokenizer, chat, loaded, memory, max_active, info, stop_ids)
+    disk = open_disk_tier(state_dir, variant.sha256, profile.kv.disk_max_bytes)
+    return EngineModel(meta, variant, tokenizer, chat, loaded, info, stop_ids, disk)
+
+
+def kv_slots(
+    plan: MemoryPlan, kv: KVConfig, max_active: int, max_sessions: int
+) -> tuple[int, MemoryPlan]:
+    """How many requests hold a KV cache at once (`max_active`, cut to the budget) and the
+    load's `plan` with the engine's KV caches counted: for running requests and bound
+    sessions, as many as the limits ask for and the budget holds beside the one the load
+    counted, the host tier and the prefix cache."""
+    spare = plan.budget - plan.total - kv.host_max_bytes - kv.prefix_max_bytes
+    spare_slots = 1 + max(0, spare) // plan.kv_per_session
+    active = max(1, min(max_active, spare_slots))
+    bound_slots = max(0, min(max_sessions, spare_slots - active))
+    memory = dataclasses.replace(
+        plan, sessions=active + bound_slots, spilled=kv.host_max_bytes + kv.prefix_max_bytes
+    )
+    return active, memory
 
 
 def estimate_memory(

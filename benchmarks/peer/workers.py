@@ -25,7 +25,7 @@ def worker_edge(a: argparse.Namespace) -> dict[str, Any]:
         return {"engine": "edge", **continue_edge(a), "peak_rss_mib": peak_rss_mib()}
     profile = load_profile(Path(a.profile))
     t0 = time.perf_counter()
-    engine = Engine(profile, Path(a.model), quantization=a.quant, kv_windows=not a.no_windows)
+    engine = Engine.load(profile, Path(a.model), quantization=a.quant, kv_windows=not a.no_windows)
     load_s = time.perf_counter() - t0
     windows = engine.loaded.runner.layout.all_windows()  # exported or added at load
     out: dict[str, Any] = {"engine": "edge", "kv_windows": [w.length for w in windows]}
@@ -64,7 +64,7 @@ def continue_edge(a: argparse.Namespace) -> dict[str, Any]:
     greedy = SamplingParams(0.0)
     state = Path(tempfile.mkdtemp(prefix="bench-state-"))
     profile = load_profile(Path(a.profile))
-    e = Engine(profile, Path(a.model), quantization=a.quant, state_dir=state)
+    e = Engine.load(profile, Path(a.model), quantization=a.quant, state_dir=state)
     history, turn = prompt_text(a.history), prompt_text(TURN + 1)
     warm = GenerateRequest(prompt_text(64), max_tokens=8, sampling=greedy)
     e.complete(warm)  # both engines warmed up like the others (a daemon that has served)
@@ -76,7 +76,7 @@ def continue_edge(a: argparse.Namespace) -> dict[str, Any]:
         e.generate(GenerateRequest(turn, max_tokens=1, sampling=greedy, session_id=sid))
     )
     e.close()  # a graceful stop writes every session to the disk tier
-    e = Engine(profile, Path(a.model), quantization=a.quant, state_dir=state)
+    e = Engine.load(profile, Path(a.model), quantization=a.quant, state_dir=state)
     e.complete(warm)
     disk_ms, _, _, _, _ = stream_timing(
         e.generate(GenerateRequest(turn, max_tokens=1, sampling=greedy, session_id=later))

@@ -32,7 +32,7 @@ def spec_edge(a: argparse.Namespace) -> dict[str, Any]:
     from agent.engine.types import GenerateRequest
     from agent.profile import load_profile
 
-    engine = Engine(load_profile(Path(a.profile)), Path(a.model), quantization=a.quant)
+    engine = Engine.load(load_profile(Path(a.profile)), Path(a.model), quantization=a.quant)
     out: dict[str, Any] = {"engine": "edge", "speculation": a.speculation, "prompts": {}}
 
     greedy = SamplingParams(0.0)
@@ -111,7 +111,7 @@ def verify_cost(a: argparse.Namespace) -> dict[str, Any]:
     from agent.engine.engine import Engine
     from agent.profile import load_profile
 
-    engine = Engine(load_profile(Path(a.profile)), Path(a.model), quantization=a.quant)
+    engine = Engine.load(load_profile(Path(a.profile)), Path(a.model), quantization=a.quant)
     runner: Any = engine.loaded.runner
     vocab = runner.layout.vocab_size
     prompt = [(7919 * i + 11) % vocab for i in range(448 + 16)]

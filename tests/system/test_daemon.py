@@ -102,7 +102,7 @@ def test_generate_streams_and_matches_in_process_engine(
     assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH and reply.finish_reason == "length"
     assert messages[-1].request_id
     assert [t for m in messages for t in m.token_ids] == reply.tokens
-    local = Engine(dev_profile, tiny_model_dir)  # the same variant the profile picks (int8)
+    local = Engine.load(dev_profile, tiny_model_dir)  # the same variant the profile picks (int8)
     want = local.complete(
         GenerateRequest(
             "def f(x):",

@@ -301,7 +301,7 @@ def test_a_draining_engine_that_a_stop_hurries_ends_every_request(
     from agent.engine.types import GenerateRequest, TokenEvent
 
     limits = EngineLimits(max_active=1, queue_capacity=2, max_pending_events=1, event_tokens=1)
-    engine = Engine(dev_profile, tiny_model_dir, limits=limits)
+    engine = Engine.load(dev_profile, tiny_model_dir, limits=limits)
     try:
         greedy = GenerateRequest("def f(x):", max_tokens=100, sampling=SamplingParams(0.0))
         ran: list[TokenEvent] = []
@@ -331,7 +331,7 @@ def test_a_draining_engine_that_a_stop_hurries_ends_every_request(
             ("cancelled", STOPPING_REFUSED, ())
         ]
         assert isinstance(waiting.refused, Unavailable) and running.refused is None
-        reference = Engine(dev_profile, tiny_model_dir)
+        reference = Engine.load(dev_profile, tiny_model_dir)
         try:
             want = reference.complete(greedy)
         finally:

@@ -129,7 +129,7 @@ def test_greedy_tokens_agree_with_ai_edge_litert(
     legacy_python, unfused_dir, dev_profile, tmp_path, quant
 ) -> None:
     profile = legacy_profile(tmp_path)
-    engine = Engine(dev_profile, unfused_dir, quantization=quant)
+    engine = Engine.load(dev_profile, unfused_dir, quantization=quant)
     try:
         for prompt in PROMPTS:
             want = engine.complete(
@@ -153,7 +153,7 @@ from agent.profile import parse_profile
 
 profile_path, model, quant, state = sys.argv[1:5]
 profile = parse_profile(tomllib.loads(Path(profile_path).read_text()), profile_path)
-engine = Engine(profile, Path(model), quantization=quant, state_dir=Path(state),
+engine = Engine.load(profile, Path(model), quantization=quant, state_dir=Path(state),
                 limits=EngineLimits(max_active=1))
 
 def turn(sid, prompt):
@@ -225,7 +225,7 @@ def engine(host=0, disk=0):
     # exactly one runtime KV cache fits beside the host tier: a second session pushes out
     data["runtime"]["max_num_bytes"] = one + host
     data["kv"].update(host_max_bytes=host, disk_max_bytes=disk, prefix_max_bytes=0)
-    e = Engine(parse_profile(data, profile_path), model, quantization=quant,
+    e = Engine.load(parse_profile(data, profile_path), model, quantization=quant,
                limits=EngineLimits(max_active=1, max_sessions=32), state_dir=state)
     assert e.memory.sessions == 1, e.memory
     return e

@@ -348,7 +348,7 @@ def test_engine_session_chat_holds_what_the_whole_conversation_renders_to(
     from agent.engine.types import GenerateRequest
 
     lib = HF.from_file(str(chat_dir / "tokenizer.json"))
-    e = Engine(dev_profile, chat_dir, quantization="fp32")
+    e = Engine.load(dev_profile, chat_dir, quantization="fp32")
     try:
         sid = e.create_session()
         new_turns = [
@@ -397,7 +397,7 @@ def test_a_chat_ends_at_the_templates_end_of_turn_token(chat_dir: Path, dev_prof
 
     lib = HF.from_file(str(chat_dir / "tokenizer.json"))
     im_end = lib.token_to_id("<|im_end|>")
-    e = Engine(dev_profile, chat_dir, quantization="fp32")
+    e = Engine.load(dev_profile, chat_dir, quantization="fp32")
     try:
         reasons = []
         for seed in range(40):

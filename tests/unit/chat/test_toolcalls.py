@@ -301,7 +301,7 @@ def profile(dev_profile_data):
 @pytest.fixture(scope="module")
 def sp(tiny_model_dir, profile) -> Engine:
     """The tiny model, SentencePiece, its old {system}/{user} template (no place for tools)."""
-    e = Engine(profile, tiny_model_dir, quantization="fp32")
+    e = Engine.load(profile, tiny_model_dir, quantization="fp32")
     yield e
     e.close()
 
@@ -311,7 +311,7 @@ def chatml(tiny_model_dir, profile, tmp_path_factory) -> Engine:
     """The tiny weights with a byte-level BPE and plain ChatML (which never shows tools: a
     model that knows nothing of them)."""
     d = make_chat_dir(tiny_model_dir, tmp_path_factory.mktemp("chatml") / "model", source("chatml"))
-    e = Engine(profile, d, quantization="fp32")
+    e = Engine.load(profile, d, quantization="fp32")
     yield e
     e.close()
 
@@ -339,7 +339,7 @@ def qwen(tiny_model_factory, profile, tmp_path_factory) -> Engine:
     renders the tools into its system turn."""
     src = tiny_model_factory.model_dir(quantizations=("int8",), prefill_lens=(8, 32), kv_max=512)
     d = make_chat_dir(src, tmp_path_factory.mktemp("qwen") / "model", HERMES)
-    e = Engine(profile, d, quantization="int8")
+    e = Engine.load(profile, d, quantization="int8")
     yield e
     e.close()
 

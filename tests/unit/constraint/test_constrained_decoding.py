@@ -55,7 +55,7 @@ def profile(dev_profile_data):
 @pytest.fixture(scope="module")
 def sp(tiny_model_dir, profile) -> Engine:
     """The tiny model with its SentencePiece tokenizer (``▁`` spaces, no ``{``/``}`` piece)."""
-    e = Engine(profile, tiny_model_dir, quantization="fp32")
+    e = Engine.load(profile, tiny_model_dir, quantization="fp32")
     yield e
     e.close()
 
@@ -66,7 +66,7 @@ def bpe(tiny_model_dir, profile, tmp_path_factory) -> Engine:
     d = make_chat_dir(
         tiny_model_dir, tmp_path_factory.mktemp("bpe") / "model", BOOM + template_source("chatml")
     )
-    e = Engine(profile, d, quantization="fp32")
+    e = Engine.load(profile, d, quantization="fp32")
     yield e
     e.close()
 

@@ -552,7 +552,7 @@ def bpe(tiny_model_dir, dev_profile_data, tmp_path_factory) -> Engine:
     d = make_chat_dir(
         tiny_model_dir, tmp_path_factory.mktemp("bpe") / "model", BOOM + template_source("chatml")
     )
-    e = Engine(profile, d, quantization="fp32")
+    e = Engine.load(profile, d, quantization="fp32")
     yield e
     e.close()
 

@@ -210,14 +210,14 @@ def engines(tiny_model_dir: Path, make_profile) -> Iterator:  # type: ignore[no-
 
     def make(limits: EngineLimits, spill_to: Path | None = None, disk: int = 0) -> Engine:
         if spill_to is None:
-            e = Engine(make_profile(), tiny_model_dir, quantization="fp32", limits=limits)
+            e = Engine.load(make_profile(), tiny_model_dir, quantization="fp32", limits=limits)
         else:
             base = make_profile()
             profile = make_profile(
                 runtime={"max_num_bytes": estimate_memory(base, demo_model_dir(), "int8")},
                 kv={"host_max_bytes": 0, "disk_max_bytes": disk, "prefix_max_bytes": 0},
             )
-            e = Engine(
+            e = Engine.load(
                 profile, demo_model_dir(), quantization="int8", limits=limits, state_dir=spill_to
             )
             assert e.memory.sessions == 1

@@ -30,7 +30,7 @@ def engine(tiny_model_dir, dev_profile_data) -> Engine:
     from agent.profile import parse_profile, profiles_dir
 
     profile = parse_profile(dev_profile_data, profiles_dir() / "generic-x86_64.toml")
-    return Engine(profile, tiny_model_dir, quantization="fp32")
+    return Engine.load(profile, tiny_model_dir, quantization="fp32")
 
 
 def req(**kw) -> GenerateRequest:
@@ -190,11 +190,11 @@ def test_tampered_model_file_is_refused(tiny_model_dir, tmp_path, dev_profile) -
     data[-1] ^= 0xFF
     f.write_bytes(bytes(data))
     with pytest.raises(ModelFormatError, match="sha256"):
-        Engine(dev_profile, d, quantization=quant)
+        Engine.load(dev_profile, d, quantization=quant)
 
 
 def test_profile_picks_int8_for_a_4gib_budget(tiny_model_dir, dev_profile) -> None:
-    e = Engine(dev_profile, tiny_model_dir)
+    e = Engine.load(dev_profile, tiny_model_dir)
     # the legacy backend's int8 is the weight-only variant (docs/PROFILES.md)
     assert e.info.quantization == ("int8_weight_only" if LEGACY else "int8")
     assert e.complete(req(max_tokens=3)).finish_reason in ("length", "stop")

@@ -56,7 +56,7 @@ def engines(
     data = _merge(dev_profile_data, {"kv": {"prefix_max_bytes": 0}})
     profile = parse_profile(data, tmp / f"{data['name']}.toml")
     made = [
-        Engine(
+        Engine.load(
             profile,
             demo_model_dir(),
             quantization="int8",
@@ -264,7 +264,7 @@ def test_the_prefix_cache_serves_a_shared_system_prompt_once_its_free_cache_is_g
         runtime={"max_num_bytes": one + 8 * MIB + 16 * MIB},
         kv={"host_max_bytes": 16 * MIB, "disk_max_bytes": 0, "prefix_max_bytes": 8 * MIB},
     )
-    e = Engine(
+    e = Engine.load(
         profile,
         demo,
         quantization="int8",

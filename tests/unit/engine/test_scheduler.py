@@ -59,7 +59,9 @@ def engine_factory(tiny_model_dir, make_profile):
     made: list[Engine] = []
 
     def make(limits: EngineLimits, **profile_over) -> Engine:
-        e = Engine(make_profile(**profile_over), tiny_model_dir, quantization="fp32", limits=limits)
+        e = Engine.load(
+            make_profile(**profile_over), tiny_model_dir, quantization="fp32", limits=limits
+        )
         made.append(e)
         return e
 

@@ -49,7 +49,7 @@ def tiered(make_profile, tmp_path, request):
             runtime={"max_num_bytes": one + (caches - 1) * kv + host + prefix},
             kv={"host_max_bytes": host, "disk_max_bytes": disk, "prefix_max_bytes": prefix},
         )
-        e = Engine(
+        e = Engine.load(
             profile,
             demo,
             quantization="int8",

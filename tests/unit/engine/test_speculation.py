@@ -551,7 +551,7 @@ def open_engine(model_dir, dev_profile_data, quantization="fp32", **kw):  # type
     from agent.profile import parse_profile, profiles_dir
 
     profile = parse_profile(dev_profile_data, profiles_dir() / "generic-x86_64.toml")
-    return Engine(profile, model_dir, quantization=quantization, **kw)
+    return Engine.load(profile, model_dir, quantization=quantization, **kw)
 
 
 def pair(engine, **kw):  # type: ignore[no-untyped-def]

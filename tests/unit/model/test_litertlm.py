@@ -125,7 +125,7 @@ def reference_greedy(
 
 
 def greedy(profile: Any, model: Path, n: int = 16, **kw: Any) -> list[int]:
-    engine = Engine(profile, model, **kw)
+    engine = Engine.load(profile, model, **kw)
     try:
         done = engine.complete(
             GenerateRequest(prompt=PROMPT, max_tokens=n, sampling=SamplingParams(temperature=0.0))
@@ -481,7 +481,7 @@ def test_chat_with_a_bundles_prefix_suffix_template(
     profile = make_profile(runtime={"xnnpack_weight_cache_dir": str(tmp_path / "xnnpack")})
     sp = spm.SentencePieceProcessor(model_file=str(tiny_tokenizer))
     want_ids = [BOS, *sp.encode("# be short\nuser: return 1\ndef ")]
-    engine = Engine(profile, b)
+    engine = Engine.load(profile, b)
     try:
         request = GenerateRequest(
             prompt="",

@@ -429,7 +429,7 @@ def test_cli_update_make_with_a_canary(
 
     signed, _ = read_bundle(tmp_path / "b.tar")
     m = verify(signed, keys.load_trusted(tmp_path))
-    engine = Engine(resolve_profile(profile)[0], dirs.new)
+    engine = Engine.load(resolve_profile(profile)[0], dirs.new)
     try:
         assert canary.check(engine_model(engine), m.canary) is None  # the device's check passes
     finally:

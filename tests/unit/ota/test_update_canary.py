@@ -173,13 +173,13 @@ def test_the_devices_check_tells_a_fine_tune_from_garbage(dirs: dict[str, Path])
     from agent.engine.engine import Engine
 
     profile = resolve_profile(PROFILE)[0]
-    base = Engine(profile, dirs["base"])
+    base = Engine.load(profile, dirs["base"])
     try:
         made = canary.reference_canary(engine_model(base))
     finally:
         base.close()
     for name, passes in (("base", True), ("tuned", True), ("garbage", False)):
-        engine = Engine(profile, dirs[name])
+        engine = Engine.load(profile, dirs[name])
         try:
             problem = canary.check(engine_model(engine), made)
         finally:
@@ -209,7 +209,7 @@ def test_a_device_rolls_back_garbage_with_the_default_canary_and_commits_a_fine_
     from agent.engine.engine import Engine
     from agent.operator.publish import publish_update
 
-    base = Engine(resolve_profile(PROFILE)[0], dirs["base"])
+    base = Engine.load(resolve_profile(PROFILE)[0], dirs["base"])
     try:
         made = canary.reference_canary(engine_model(base))
     finally:

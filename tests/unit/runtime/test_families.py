@@ -286,7 +286,7 @@ def engine(
     prefix = max(0, MIN_BUDGET - one - host)
     data = profile_data(cache, max_num_bytes=one + host + prefix)
     data["kv"].update(host_max_bytes=host, disk_max_bytes=64 << 20, prefix_max_bytes=prefix)
-    e = Engine(
+    e = Engine.load(
         make_profile(data, tmp),
         model.model_dir,
         quantization=model.quantization,

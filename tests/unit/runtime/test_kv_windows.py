@@ -164,8 +164,8 @@ def engines(tiny_model_factory, dev_profile_data):
         quantizations=("int8",), prefill_lens=(8,), kv_max=64, decode_windows=WINDOWS
     )
     profile = parse_profile(dev_profile_data, profiles_dir() / "generic-x86_64.toml")
-    a = Engine(profile, d, quantization="int8")
-    b = Engine(profile, d, quantization="int8", kv_windows=False)
+    a = Engine.load(profile, d, quantization="int8")
+    b = Engine.load(profile, d, quantization="int8", kv_windows=False)
     yield a, b
     a.close()
     b.close()
@@ -322,14 +322,14 @@ def test_the_memory_estimate_counts_the_windows_a_load_adds(
     # the reading it made is kept where the load looks for it
     sha = load_model_dir(d).variant("int8").sha256
     assert (cache / f"{sha}{cachefiles.PARSE_SUFFIX}").exists()
-    engine = Engine(profile, d, quantization="int8")
+    engine = Engine.load(profile, d, quantization="int8")
     try:
         loaded = engine.loaded.memory
         assert [w.length for w in engine.loaded.runner.layout.windows] == [256]
         assert without < loaded.total <= estimate
     finally:
         engine.close()
-    plain = Engine(off, d, quantization="int8")
+    plain = Engine.load(off, d, quantization="int8")
     try:
         assert plain.loaded.memory.total == without
     finally:

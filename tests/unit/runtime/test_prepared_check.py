@@ -225,7 +225,7 @@ def test_non_finite_logits_end_the_request_with_an_error_never_a_token(
 
     d = nan_model_dir(tiny_model_factory, tmp_path)
     profile = make_profile(runtime={"xnnpack_weight_cache_dir": str(tmp_path / "x")})
-    engine = Engine(profile, d, state_dir=tmp_path / "state")
+    engine = Engine.load(profile, d, state_dir=tmp_path / "state")
     try:
         # the first-load check found it: no copy serves a model whose own logits are NaN
         assert engine.info.prepared.startswith("refused, the model's own logits are not finite")
