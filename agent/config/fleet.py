@@ -53,6 +53,20 @@ class Broker:
 
 # device ids become topic levels and usernames in the broker's ACL (%u): no wildcards, no '/'
 DEVICE_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+DEVICE_ID_RULE: Final = "1-128 of A-Z a-z 0-9 _ . : - (a letter or digit first, no / + #)"
+
+
+def is_device_id(text: str) -> bool:
+    """Whether `text` can be a device id: a topic level and a broker username. The one place
+    the rule is checked (the config, the fleet link's topics, the operator's tools, the CLI)."""
+    return DEVICE_ID_RE.fullmatch(text) is not None
+
+
+def check_device_id(device_id: str) -> str:
+    """`device_id`, or ValueError saying the rule (`is_device_id`)."""
+    if not is_device_id(device_id):
+        raise ValueError(f"device id {device_id!r} is not valid: {DEVICE_ID_RULE}")
+    return device_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,8 +118,8 @@ def parse_fleet(t: Table, source: str) -> FleetConfig:
     d = FleetConfig()
     broker_text = t.optional_text("broker")
     device = t.optional_text("device_id")
-    if device is not None and not DEVICE_ID_RE.fullmatch(device):
-        raise t.error("device_id", device, "1-128 of A-Z a-z 0-9 _ . : - (no / + #)")
+    if device is not None and not is_device_id(device):
+        raise t.error("device_id", device, DEVICE_ID_RULE)
     prefix = t.optional_text("topic_prefix") or d.topic_prefix
     if any(c in prefix for c in "+#") or prefix.startswith("/") or prefix.endswith("/"):
         raise t.error("topic_prefix", prefix, "topic levels without wildcards, e.g. fleet/v1")

@@ -6,22 +6,13 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
-from agent.config.file import DEVICE_ID_RE
+from agent.config.fleet import check_device_id as check_device_id
+from agent.config.fleet import is_device_id
 
 DEFAULT_PREFIX: Final = "fleet/v1"
 COMMAND_RE: Final = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 KINDS: Final = ("state", "health", "event", "cmd", "resp", "update")
 UPDATE_TOPICS: Final = ("status", "block", "data")
-
-
-def check_device_id(device_id: str) -> str:
-    """Raise ValueError unless `device_id` can be a topic level and a broker username."""
-    if not DEVICE_ID_RE.fullmatch(device_id):
-        raise ValueError(
-            f"device id {device_id!r} must be 1-128 of A-Z a-z 0-9 _ . : - "
-            "(starting with a letter or digit)"
-        )
-    return device_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +79,7 @@ def parse(prefix: str, topic: str) -> Parsed | None:
     if not topic.startswith(prefix + "/"):
         return None
     parts = topic[len(prefix) + 1 :].split("/")
-    if len(parts) < 2 or parts[1] not in KINDS or not DEVICE_ID_RE.fullmatch(parts[0]):
+    if len(parts) < 2 or parts[1] not in KINDS or not is_device_id(parts[0]):
         return None
     if parts[1] in ("cmd", "resp"):
         return Parsed(parts[0], parts[1], parts[2]) if len(parts) == 3 else None

@@ -20,9 +20,10 @@ from typing import Final, TextIO
 
 import paho.mqtt.client as mqtt
 
+from agent.config.fleet import check_device_id
 from agent.fleet.codec import PayloadError
 from agent.fleet.mqtt import MqttOptions, decode_message, outgoing, payload_content, payload_type
-from agent.fleet.topics import COMMAND_RE, Topics, check_device_id
+from agent.fleet.topics import COMMAND_RE, Topics
 from agent.operator.digest import Presence
 from agent.operator.link import _PUMP_S, FleetError, _client_id, _Link, _Timeout, read_answer
 from agent.operator.render import render

@@ -26,6 +26,7 @@ from agent.cli.fleet.common import (
     EXIT_INTERRUPTED,
     _connection,
     _connection_args,
+    _device_id,
     _good_prefix,
     _group,
     _group_arg,
@@ -36,7 +37,6 @@ from agent.cli.fleet.decode import add_decode_command
 from agent.cli.fleet.inventory import add_inventory_command, send_to_group
 from agent.cli.fleet.rollout import add_rollout_commands
 from agent.cli.fleet.update import add_update_commands
-from agent.config.file import DEVICE_ID_RE
 from agent.fleet.topics import COMMAND_RE
 from agent.operator.render import render, summary, to_json
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
@@ -124,8 +124,8 @@ def cmd_fleet_send(args: argparse.Namespace) -> int:
         if args.cmd is None:
             raise _Usage("give DEVICE CMD, or --group G CMD")
         opts, fleet = _connection(args)
-        if group is None and not DEVICE_ID_RE.fullmatch(args.device):
-            raise _Usage(f"device id {args.device!r} is not valid (A-Z a-z 0-9 _ . : -)")
+        if group is None:
+            _device_id(args.device)
         if not COMMAND_RE.fullmatch(args.cmd):
             raise _Usage(f"command {args.cmd!r} is not valid (e.g. ping, status, reload)")
         prefix = args.prefix or fleet.topic_prefix

@@ -21,6 +21,7 @@ from agent.config.file import (
     load_config,
     parse_broker,
 )
+from agent.config.fleet import check_device_id
 from agent.fleet.mqtt import MqttOptions
 from agent.operator.digest import HealthInfo, health_info
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
@@ -73,6 +74,14 @@ def _group(args: argparse.Namespace) -> str | None:
             f"--group {group!r} is not valid: 1-64 of A-Z a-z 0-9 _ . : - (a letter or digit first)"
         )
     return group
+
+
+def _device_id(text: str) -> str:
+    """A device id given on the command line (`agent.config.fleet.check_device_id`)."""
+    try:
+        return check_device_id(text)
+    except ValueError as exc:
+        raise _Usage(str(exc)) from None
 
 
 def _group_arg(p: argparse.ArgumentParser, what: str) -> None:

@@ -23,12 +23,12 @@ from agent.cli.fleet.common import (
     EXIT_INTERRUPTED,
     _connection,
     _connection_args,
+    _device_id,
     _good_prefix,
     _name,
     _Usage,
     describe,
 )
-from agent.config.file import DEVICE_ID_RE
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
 
 
@@ -62,8 +62,7 @@ def cmd_fleet_publish_update(args: argparse.Namespace) -> int:
         if bool(args.device) == bool(args.all):
             raise _Usage("give --device ID (repeatable) or --all")
         for d in args.device:
-            if not DEVICE_ID_RE.fullmatch(d):
-                raise _Usage(f"device id {d!r} is not valid (A-Z a-z 0-9 _ . : -)")
+            _device_id(d)
         read_offer(Path(args.bundle))  # a bad bundle is refused before anything is sent
     except (_Usage, BundleError) as exc:
         return _fail(str(exc))
@@ -112,8 +111,7 @@ def cmd_fleet_cancel_update(args: argparse.Namespace) -> int:
         opts, fleet = _connection(args)
         prefix = args.prefix or fleet.topic_prefix
         for d in args.device:
-            if not DEVICE_ID_RE.fullmatch(d):
-                raise _Usage(f"device id {d!r} is not valid (A-Z a-z 0-9 _ . : -)")
+            _device_id(d)
         try:
             expires_in = parse_duration(args.expires_in)
         except ValueError as exc:

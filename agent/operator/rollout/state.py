@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from agent.base.errors import AgentError
-from agent.config.file import DEVICE_ID_RE, GROUP_RE
+from agent.config.file import GROUP_RE
+from agent.config.fleet import DEVICE_ID_RULE, is_device_id
 
 FORMAT: Final = 1
 ROLLOUT_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -71,10 +72,10 @@ class Target:
         if not values:
             raise RolloutError("--target: give all, group:NAME or device ids")
         for v in values:
-            if v == "all" or v.startswith("group:") or not DEVICE_ID_RE.fullmatch(v):
+            if v == "all" or v.startswith("group:") or not is_device_id(v):
                 raise RolloutError(
-                    f"--target {v!r}: give all, group:NAME, or device ids (A-Z a-z 0-9 _ . : -)"
-                    " alone"
+                    f"--target {v!r}: give all, group:NAME, or device ids alone (a device id: "
+                    f"{DEVICE_ID_RULE})"
                 )
         return cls("devices", devices=tuple(sorted(set(values))))
 
