@@ -24,11 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb  # noqa: E402
-
 from agent.operator.inventory import inventory  # noqa: E402
 from agent.operator.render import inventory_json, inventory_table, render  # noqa: E402
 from agent.operator.view import FleetView  # noqa: E402
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb  # noqa: E402
 
 BEGIN, END = "<!-- bench:inventory:begin -->", "<!-- bench:inventory:end -->"
 MIB = 1 << 20

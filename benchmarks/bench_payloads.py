@@ -30,13 +30,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import paho.mqtt.client as mqtt  # noqa: E402
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb  # noqa: E402
-from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb  # noqa: E402
 from google.protobuf.message import Message  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 
 from agent.base.shipped import demo_model  # noqa: E402
 from agent.fleet import codec  # noqa: E402
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb  # noqa: E402
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb  # noqa: E402
 from tests.support.broker import Mosquitto  # noqa: E402
 from tests.support.daemon_harness import Daemon  # noqa: E402
 

@@ -37,11 +37,10 @@ PHASES = ("RECEIVED", "STAGED", "ACTIVATING", "TRIAL", "COMMITTED")
 
 
 def one_update(model: Path, tmp: Path, device: str) -> dict[str, float]:
-    from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
-
     from agent.model.directory import load_model_dir
     from agent.operator.publish import publish_update
     from agent.ota.artifact import keys
+    from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 
     # the update tests' harness: the broker, the fine-tune, the bundle, the daemon, the reports
     tu: Any = importlib.import_module("tests.system.test_updates")

@@ -73,8 +73,6 @@ from pathlib import Path
 from typing import Any, Final
 
 import paho.mqtt.client as mqtt
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
-from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf.message import DecodeError
 
@@ -97,6 +95,8 @@ from agent.ota.artifact.manifest import InstallContext
 from agent.ota.fetch import BlockSource
 from agent.ota.store import ModelRef, Store
 from agent.ota.updater import Updater
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from agent.runtime.plan import MemoryPlan
 from agent.status.value import AgentStatus
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from agent.pb.edge_agent.v1 import agent_pb2 as pb
-from agent.pb.edge_agent.v1 import agent_pb2_grpc as pb_grpc
 
 from agent.api.grpc.client import Client, SessionEntry, build_request
+from agent.pb.edge_agent.v1 import agent_pb2 as pb
+from agent.pb.edge_agent.v1 import agent_pb2_grpc as pb_grpc
 from agent.runtime.prepare import cachefiles
 from tests.support.daemon_harness import Daemon
 

@@ -33,10 +33,10 @@ import grpc
 import httpx
 import openai
 import pytest
-from agent.pb.edge_agent.v1 import agent_pb2 as pb
-from agent.pb.edge_agent.v1 import agent_pb2_grpc as pb_grpc
 
 from agent.api.grpc.client import build_request
+from agent.pb.edge_agent.v1 import agent_pb2 as pb
+from agent.pb.edge_agent.v1 import agent_pb2_grpc as pb_grpc
 from tests.support.daemon_harness import Daemon
 from tests.support.endless import endless_model_dir
 

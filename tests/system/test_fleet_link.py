@@ -12,7 +12,6 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
@@ -24,6 +23,7 @@ from agent.fleet.mqtt import MqttOptions, payload_type
 from agent.fleet.topics import Topics
 from agent.operator.client import send
 from agent.operator.link import FleetError
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from tests.support.broker import OPERATOR, Mosquitto, Pki, make_pki
 from tests.support.daemon_harness import Daemon
 

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
-from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from paho.mqtt.enums import CallbackAPIVersion
 
 from agent.fleet.topics import Topics
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from tests.support.broker_rabbitmq import RabbitMQ
 from tests.support.daemon_harness import Daemon
 from tests.system.test_updates import Models, big_models, bundle, trusted  # noqa: F401  (fixtures)

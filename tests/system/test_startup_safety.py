@@ -23,9 +23,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from agent.pb.edge_agent.v1 import agent_pb2 as pb
 
 from agent.api.grpc.client import Client, build_request
+from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from tests.support.daemon_harness import Daemon
 
 PROFILE = "generic-x86_64"

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
-from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.fleet.topics import Topics
@@ -29,6 +27,8 @@ from agent.ota.artifact import keys
 from agent.ota.artifact.bundle import make_bundle, read_bundle
 from agent.ota.artifact.signing import sign
 from agent.ota.fetch import CHUNK
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from tests.support.broker import Mosquitto
 from tests.support.daemon_harness import Daemon
 from tests.support.httpserver import PayloadServer, Served

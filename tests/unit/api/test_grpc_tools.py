@@ -14,10 +14,10 @@ import re
 import grpc
 import jsonschema
 import pytest
-from agent.pb.edge_agent.v1 import agent_pb2 as pb
 
 from agent.chat.template import ChatTemplate, chat_ids
 from agent.chat.types import ChatMessage, Tool, ToolCall
+from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from agent.tokenizer.load import load_tokenizer
 from tests.support.daemon_harness import Daemon
 from tests.unit.chat.test_chat import make_chat_dir

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import grpc
-from agent.pb.edge_agent.v1 import agent_pb2_grpc as pb_grpc
 
 from agent.api.grpc.client import build_request
+from agent.pb.edge_agent.v1 import agent_pb2_grpc as pb_grpc
 from tests.support.daemon_harness import Daemon
 from tests.support.endless import endless_model_dir
 from tests.system.test_drain import ONE_BYTE_WINDOW

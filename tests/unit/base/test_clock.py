@@ -9,8 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
-from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.api.grpc.convert import status_message
@@ -22,6 +20,8 @@ from agent.operator.view import FleetView
 from agent.ota.artifact import keys
 from agent.ota.artifact.cancel import sign_cancel, verify_cancel
 from agent.ota.artifact.manifest import UpdateRejected, check_times
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from agent.status.metrics import Metrics
 from tests.unit.fleet.test_fleet_health import agent_status, disk, model_info, thermal
 from tests.unit.status.test_metrics import scrape, value

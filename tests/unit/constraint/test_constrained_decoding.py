@@ -544,8 +544,8 @@ def test_without_llguidance_a_constrained_request_names_the_extra(tiny_model_dir
 
 def test_grpc_constraint_fields_through_a_real_daemon(tmp_path, tiny_model_dir) -> None:
     import grpc
-    from agent.pb.edge_agent.v1 import agent_pb2 as pb
 
+    from agent.pb.edge_agent.v1 import agent_pb2 as pb
     from tests.support.daemon_harness import Daemon
 
     d = Daemon(tmp_path, tiny_model_dir, '[model]\nquantization = "fp32"\n')

@@ -21,11 +21,11 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from agent.pb.edge_agent.v1 import agent_pb2 as pb
 
 from agent.base.errors import InvalidRequest, Overloaded
 from agent.constraint.limits import LIMITS, check_lark, check_pattern, check_schema, parse_schema
 from agent.constraint.worker import GATE_ENV, CompileWorker
+from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from tests.support.daemon_harness import Daemon
 
 CONFIG = "[limits]\nmax_active = 2\nqueue_capacity = 4\n"

@@ -16,7 +16,6 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,6 +29,7 @@ from agent.engine.scheduler import Scheduler
 from agent.engine.types import GenerateRequest, TokenEvent
 from agent.kv.quota import Holding, fair_share, fair_victims
 from agent.model.directory import demo_model_dir
+from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from tests.support.daemon_harness import Daemon
 
 ENDS = ("length", "stop")

@@ -795,10 +795,9 @@ def test_cli_generate_speculation_and_json_stats(verify_dir, tmp_path) -> None: 
 def test_grpc_conversions() -> None:
     from types import SimpleNamespace
 
-    from agent.pb.edge_agent.v1 import agent_pb2 as pb
-
     from agent.api.grpc.convert import to_request, to_response
     from agent.engine.types import RequestStats
+    from agent.pb.edge_agent.v1 import agent_pb2 as pb
     from agent.profile.schema import GenerationDefaults
 
     engine = SimpleNamespace(profile=SimpleNamespace(generation=GenerationDefaults(8, 0, 0, 1, 64)))

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,6 +28,7 @@ from agent.fleet.device.health import (
     read_thermal,
     significant_change,
 )
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.runtime.plan import MemoryPlan
 from agent.status.value import AgentStatus
 

@@ -18,9 +18,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 
 from agent.fleet.device.outbox import SEQ_FILE, Outbox, event_name
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 
 
 def reload_event(message: str = "ok", ok: bool = True) -> fpb.Event:

@@ -20,8 +20,6 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
-from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
@@ -32,6 +30,8 @@ from agent.model.directory import load_model_dir
 from agent.operator.publish import read_offer
 from agent.operator.view import FleetView
 from agent.ota.artifact import keys
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from tests.support.broker import Mosquitto
 from tests.support.daemon_harness import Daemon
 from tests.support.paths import ROOT

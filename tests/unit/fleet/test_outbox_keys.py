@@ -7,9 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
-
 from agent.fleet.device.outbox import KEYS_FILE, MAX_KEYS, Outbox
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 
 
 def status(phase: int, key: str = "", message: str = "") -> fpb.Event:

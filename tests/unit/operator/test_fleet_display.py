@@ -10,12 +10,12 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
 from paho.mqtt.enums import CallbackAPIVersion
 
 from agent.operator.client import send
 from agent.operator.link import FleetError
 from agent.operator.view import FleetView
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
 from tests.support.broker import Mosquitto
 from tests.unit.operator.test_fleet_operator import options
 

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
@@ -33,6 +32,7 @@ from agent.operator.fanout import MAX_IN_FLIGHT, Outcome, send_many
 from agent.operator.inventory import InventoryRow, inventory, split_model
 from agent.operator.render import inventory_json, inventory_table, render
 from agent.operator.view import FleetView
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
 from tests.support.broker import Mosquitto, free_port
 from tests.support.daemon_harness import Daemon
 from tests.unit.operator.test_fleet_operator import cli

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
-from agent.pb.edge_agent.v1 import agent_pb2
 from paho.mqtt.enums import CallbackAPIVersion
 
 from agent.base.errors import AgentError
@@ -31,6 +29,8 @@ from agent.operator.digest import Presence
 from agent.operator.link import FleetError
 from agent.operator.render import render, to_json
 from agent.operator.view import FleetView
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
+from agent.pb.edge_agent.v1 import agent_pb2
 from tests.support.broker import OPERATOR, Mosquitto, Pki, make_pki
 from tests.support.paths import ROOT
 

@@ -21,8 +21,6 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
-from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from paho.mqtt.enums import CallbackAPIVersion
 
@@ -31,6 +29,8 @@ from agent.fleet.mqtt import MqttOptions, publish_properties, response_route
 from agent.fleet.topics import Topics, parse
 from agent.ota.artifact.bundle import write_bundle
 from agent.ota.artifact.signing import sign
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from tests.support.broker import Mosquitto
 from tests.support.paths import ROOT
 

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
-from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 from agent.ota import canary
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 VOCAB = 4
 

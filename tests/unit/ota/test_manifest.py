@@ -12,7 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -27,6 +26,7 @@ from agent.ota.artifact.manifest import (
     version_tuple,
 )
 from agent.ota.artifact.signing import canonical, sign, verify
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 NOW = 1_750_000_000.0
 OLD_KEY = Ed25519PrivateKey.generate()

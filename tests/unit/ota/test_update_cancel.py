@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 
 import pytest
-from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -16,6 +15,7 @@ from agent.ota.artifact.keys import key_id
 from agent.ota.artifact.manifest import UpdateRejected
 from agent.ota.artifact.signing import canonical, sign
 from agent.ota.updater import CANCELLABLE
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 KEY = Ed25519PrivateKey.generate()
 OTHER = Ed25519PrivateKey.generate()

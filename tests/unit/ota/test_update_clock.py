@@ -22,8 +22,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
-from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 from agent import __version__
 from agent.base.clock import Clock
@@ -39,6 +37,8 @@ from agent.ota.artifact.cancel import sign_cancel
 from agent.ota.artifact.manifest import InstallContext
 from agent.ota.store import ModelRef, Store
 from agent.ota.updater import Updater
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from tests.support.daemon_harness import Daemon
 from tests.support.fleetsim import model_ref
 from tests.support.httpserver import PayloadServer, Served

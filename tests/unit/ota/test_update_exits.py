@@ -12,8 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
-from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
 from agent.fleet.topics import Topics
@@ -21,6 +19,8 @@ from agent.operator.client import send
 from agent.ota.artifact.bundle import read_bundle
 from agent.ota.artifact.cancel import sign_cancel
 from agent.ota.store import Store
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from tests.support.daemon_harness import Daemon
 from tests.support.httpserver import PayloadServer, Served
 from tests.system import test_updates

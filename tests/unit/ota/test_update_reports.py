@@ -11,14 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
-from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
-from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 from agent.fleet.topics import Topics
 from agent.operator.client import send
 from agent.operator.link import FleetError
 from agent.ota.faults import UNREPORTED
 from agent.ota.store import Store
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from tests.system import test_updates
 from tests.system.test_fleet_link import PREFIX, Observer, options
 from tests.system.test_updates import (
