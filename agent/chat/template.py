@@ -1,58 +1,6 @@
-"""Chat messages → prompt tokens, through the model's chat template.
-
-Three kinds of template (`ModelMeta.chat_template`):
-
-* ``""``: the model has none; a chat request is refused (`InvalidRequest`), never guessed.
-* the old ``{system}``/``{user}`` form (neither ``{%`` nor ``{{``), as the demo model has: the
-  system messages fill ``{system}``, the conversation after them (one message per line) fills
-  ``{user}``; without a system message the conversation is the prompt. The result is encoded
-  as a plain prompt, exactly as before Jinja templates were supported.
-* a Jinja template, as Hugging Face models ship it in ``tokenizer_config.json``.
-
-Why jinja2 and not minijinja: the templates are written for, and tested by their authors
-against, transformers' ``apply_chat_template``, which renders with jinja2's
-``ImmutableSandboxedEnvironment``. Rendering with the same engine, configured the same way
-(``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, the ``{% generation %}`` tag, a ``tojson``
-that keeps non-ASCII and takes ``indent``, ``raise_exception``, ``strftime_now``, ``dict`` and
-``namespace``), gives the same text for every template transformers renders, including
-Python-specific behaviour (string methods such as ``.strip()`` or ``.split()``, ``Undefined``
-rendering as "") that minijinja reproduces only approximately.
-
-Special tokens: the template's own text (``<|im_start|>``, ``{{ bos_token }}``) must become
-special ids, the messages' contents never (a user who writes ``<|im_end|>`` must not end the
-turn). The template is rendered twice: once with the real contents (the text transformers
-would produce) and once with a sentinel in place of each content. The sentinel rendering gives
-the template's own pieces; the real rendering must be exactly those pieces with, in each
-sentinel's place, a part of that message's content (all of it, or what the template kept of
-it: ``| trim``, the answer after ``</think>``). A ``tokenizer.json`` then encodes the whole text
-at once (the ids transformers would give) when no special token comes out of a content piece,
-and else each piece on its own, template pieces with special tokens on and content pieces with
-them off; SentencePiece always encodes piece by piece. A template whose output cannot be split
-that way (it writes something derived from a content, or branches on it) is refused with
-`InvalidRequest`: encoding its text whole could turn user text into control tokens. BOS for a
-chat comes only from the template (``{{ bos_token }}``), never added again.
-
-Tools (`agent.chat.toolcalls`): a request's tools reach the template as transformers passes
-them (``tools=[{"type": "function", "function": {name, description, parameters}}]``), an
-assistant message's calls as ``tool_calls`` (arguments as a mapping, for ``| tojson``), a tool
-result as role ``tool`` with its ``tool_call_id``/``name``. A message with empty content gets
-no sentinel (templates test ``{% if message.content %}``), and a content the template writes
-through ``| tojson`` (Llama 3's tool results) is matched in its escaped form, still encoded as
-content. The tool definitions and past calls are the template's text, so one that spells a
-special token is refused. A template with no place for tools renders without them.
-
-Sessions: the first turn renders its messages whole; a later turn renders only the text the
-template puts after the previous assistant content and up to the new generation prompt
-(`ChatTemplate.continuation`), so the KV of earlier turns is reused. What the session then
-holds equals the whole conversation rendered at once, in this sense: decoding the session's
-tokens with special tokens kept gives the template's rendering of the conversation in which
-each assistant message is the text of the tokens the model generated (the end-of-turn token
-that stopped it comes back as the first token of the next turn's suffix); token by token, the
-template and user pieces are the ids rendering the whole conversation gives, and each
-assistant part is the generated ids themselves, which may differ from what re-encoding their
-text would give. A template that renders a past assistant turn differently from how it prompts
-for one (DeepSeek-R1's ``<think>``, Qwen3 dropping past reasoning) does not have this property:
-the session keeps the turn as the model saw and wrote it.
+"""Chat messages → prompt tokens, through the model's chat template: none (chat refused), the
+plain ``{system}``/``{user}`` form, or a Jinja template rendered as transformers renders it.
+Template text becomes special tokens and message contents never do (`ChatTemplate`).
 """
 
 from __future__ import annotations
@@ -204,7 +152,62 @@ def _sentinel(i: int) -> str:
 
 
 class ChatTemplate:
-    """A model's chat template, compiled once; renders and splits prompts."""
+    """A model's chat template, compiled once; renders and splits prompts.
+
+    Three kinds of template (`ModelMeta.chat_template`):
+
+    * ``""``: the model has none; a chat request is refused (`InvalidRequest`), never guessed.
+    * the old ``{system}``/``{user}`` form (neither ``{%`` nor ``{{``), as the demo model has: the
+      system messages fill ``{system}``, the conversation after them (one message per line) fills
+      ``{user}``; without a system message the conversation is the prompt. The result is encoded
+      as a plain prompt.
+    * a Jinja template, as Hugging Face models ship it in ``tokenizer_config.json``.
+
+    Why jinja2 and not minijinja: the templates are written for, and tested by their authors
+    against, transformers' ``apply_chat_template``, which renders with jinja2's
+    ``ImmutableSandboxedEnvironment``. Rendering with the same engine, configured the same way
+    (``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, the ``{% generation %}`` tag, a
+    ``tojson`` that keeps non-ASCII and takes ``indent``, ``raise_exception``, ``strftime_now``,
+    ``dict`` and ``namespace``), gives the same text for every template transformers renders,
+    including Python-specific behaviour (string methods such as ``.strip()`` or ``.split()``,
+    ``Undefined`` rendering as "") that minijinja reproduces only approximately.
+
+    Special tokens: the template's own text (``<|im_start|>``, ``{{ bos_token }}``) must become
+    special ids, the messages' contents never (a user who writes ``<|im_end|>`` must not end the
+    turn). The template is rendered twice: once with the real contents (the text transformers would
+    produce) and once with a sentinel in place of each content. The sentinel rendering gives the
+    template's own pieces; the real rendering must be exactly those pieces with, in each sentinel's
+    place, a part of that message's content (all of it, or what the template kept of it: ``| trim``,
+    the answer after ``</think>``). A ``tokenizer.json`` then encodes the whole text at once (the
+    ids transformers would give) when no special token comes out of a content piece, and else each
+    piece on its own, template pieces with special tokens on and content pieces with them off;
+    SentencePiece always encodes piece by piece. A template whose output cannot be split that way
+    (it writes something derived from a content, or branches on it) is refused with
+    `InvalidRequest`: encoding its text whole could turn user text into control tokens. BOS for a
+    chat comes only from the template (``{{ bos_token }}``), never added again.
+
+    Tools (`agent.chat.toolcalls`): a request's tools reach the template as transformers passes them
+    (``tools=[{"type": "function", "function": {name, description, parameters}}]``), an assistant
+    message's calls as ``tool_calls`` (arguments as a mapping, for ``| tojson``), a tool result as
+    role ``tool`` with its ``tool_call_id``/``name``. A message with empty content gets no sentinel
+    (templates test ``{% if message.content %}``), and a content the template writes through ``|
+    tojson`` (Llama 3's tool results) is matched in its escaped form, still encoded as content. The
+    tool definitions and past calls are the template's text, so one that spells a special token is
+    refused. A template with no place for tools renders without them.
+
+    Sessions: the first turn renders its messages whole; a later turn renders only the text the
+    template puts after the previous assistant content and up to the new generation prompt
+    (`ChatTemplate.continuation`), so the KV of earlier turns is reused. What the session then holds
+    equals the whole conversation rendered at once, in this sense: decoding the session's tokens
+    with special tokens kept gives the template's rendering of the conversation in which each
+    assistant message is the text of the tokens the model generated (the end-of-turn token that
+    stopped it comes back as the first token of the next turn's suffix); token by token, the
+    template and user pieces are the ids rendering the whole conversation gives, and each assistant
+    part is the generated ids themselves, which may differ from what re-encoding their text would
+    give. A template that renders a past assistant turn differently from how it prompts for one
+    (DeepSeek-R1's ``<think>``, Qwen3 dropping past reasoning) does not have this property: the
+    session keeps the turn as the model saw and wrote it.
+    """
 
     def __init__(
         self, source: str, *, bos_token: str | None = None, eos_token: str | None = None

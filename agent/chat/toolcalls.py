@@ -1,42 +1,6 @@
-"""Tool calls: the constraint that makes a model call a function, and the parsers that find
-the calls a tool-trained model wrote in its own family's format.
-
-`tool_choice` (`GenerateRequest.tool_choice`, one of TOOL_CHOICES):
-
-* ``"required"`` / ``"function"`` (with `tool_name`): the output is constrained (a
-  ``json_schema`` `Constraint`) to ``{"name": <a function's name>, "arguments": <an object
-  valid for that function's parameters schema>}`` — one object schema per function, ``anyOf``
-  when there are several — so any model, even one never trained on tools, returns a valid
-  call; `parse_constrained` reads it back.
-* ``"auto"``: the model writes what it likes; `parse` finds calls in its family's format
-  (`FORMATS`, chosen by `format_of` from the chat template's own text). Text outside the
-  calls is the message's content. An unknown format, or a call whose JSON does not parse or
-  lacks its name / arguments, gives plain content and no call: a call is never made up.
-* ``"none"``: the tools are still rendered (the model knows they exist, and the prompt — so
-  the prefix cache — is the same as with ``"auto"``), the output is neither constrained nor
-  parsed.
-
-The family rule (`format_of`): the template says which tags its model emits, so the format is
-read from the template's own text, not from the model's name:
-
-==========  =======================================================  =========================
-format      the template contains                                    the model writes
-==========  =======================================================  =========================
-hermes      ``<tool_call>``                                          ``<tool_call>{"name": ...,
-                                                                     "arguments": {...}}
-                                                                     </tool_call>`` (any number)
-mistral     ``[TOOL_CALLS]``                                         ``[TOOL_CALLS][{"name": ...,
-                                                                     "arguments": {...}}]`` or
-                                                                     ``[TOOL_CALLS]name[ARGS]{...}``
-llama3      ``<|start_header_id|>`` and ``"parameters"`` (3.1+)      ``<|python_tag|>``? then
-                                                                     ``{"name": ..., "parameters":
-                                                                     {...}}`` (``;``-separated)
-none        anything else (Gemma, Phi, ChatML without tools, ...)   plain text
-==========  =======================================================  =========================
-
-A special token (``<|python_tag|>``, Mistral's ``[TOOL_CALLS]``) decodes to nothing, so the
-parsers also take the call without it where the rest is unambiguous (the whole answer is the
-call's JSON).
+"""Tool calls: the constraint that makes a model call a function (``tool_choice`` "required"
+or "function"), and the parsers that find the calls a tool-trained model wrote in its own
+family's format ("auto"), never making one up. The family is read from the chat template.
 """
 
 from __future__ import annotations
@@ -88,7 +52,30 @@ class Parsed:
 
 
 def format_of(template_source: str) -> str:
-    """The tool-call format a chat template's model writes (one of FORMATS)."""
+    """The tool-call format a chat template's model writes (one of FORMATS).
+
+    The template says which tags its model emits, so the format is read from the template's own
+    text, not from the model's name:
+
+    ========  =================================================  ===============================
+    format    the template contains                              the model writes
+    ========  =================================================  ===============================
+    hermes    ``<tool_call>``                                    ``<tool_call>{"name": ...,
+                                                                 "arguments": {...}}
+                                                                 </tool_call>`` (any number)
+    mistral   ``[TOOL_CALLS]``                                   ``[TOOL_CALLS][{"name": ...,
+                                                                 "arguments": {...}}]`` or
+                                                                 ``[TOOL_CALLS]name[ARGS]{...}``
+    llama3    ``<|start_header_id|>`` and ``"parameters"``       ``<|python_tag|>``? then
+              (3.1+)                                             ``{"name": ..., "parameters":
+                                                                 {...}}`` (``;``-separated)
+    none      anything else (Gemma, Phi, ChatML without tools)   plain text
+    ========  =================================================  ===============================
+
+    A special token (``<|python_tag|>``, Mistral's ``[TOOL_CALLS]``) decodes to nothing, so the
+    parsers also take the call without it where the rest is unambiguous (the whole answer is the
+    call's JSON).
+    """
     if "<tool_call>" in template_source:
         return "hermes"
     if "[TOOL_CALLS]" in template_source:
@@ -220,7 +207,23 @@ class ToolRequest(Protocol):
 
 
 def request_constraint(request: ToolRequest) -> Constraint | None:
-    """The constraint a request's tool_choice needs (None: it needs none), or InvalidRequest."""
+    """The constraint a request's tool_choice needs (None: it needs none), or InvalidRequest.
+
+    `tool_choice` (`GenerateRequest.tool_choice`, one of TOOL_CHOICES):
+
+    * ``"required"`` / ``"function"`` (with `tool_name`): the output is constrained (a
+      ``json_schema`` `Constraint`) to ``{"name": <a function's name>, "arguments": <an object
+      valid for that function's parameters schema>}`` — one object schema per function, ``anyOf``
+      when there are several — so any model, even one never trained on tools, returns a valid
+      call; `parse_constrained` reads it back.
+    * ``"auto"``: the model writes what it likes; `parse` finds calls in its family's format
+      (`FORMATS`, chosen by `format_of` from the chat template's own text). Text outside the
+      calls is the message's content. An unknown format, or a call whose JSON does not parse or
+      lacks its name / arguments, gives plain content and no call: a call is never made up.
+    * ``"none"``: the tools are still rendered (the model knows they exist, and the prompt — so
+      the prefix cache — is the same as with ``"auto"``), the output is neither constrained nor
+      parsed.
+    """
     choice = request.tool_choice
     if choice not in TOOL_CHOICES:
         raise InvalidRequest(f"tool_choice = {choice!r}; allowed: {', '.join(TOOL_CHOICES)}")

@@ -1,24 +1,7 @@
-"""Structured output: a `Constraint` compiled into a token mask by llguidance.
-
-`ConstraintCompiler` (one per engine, on its tokenizer) turns a request's `Constraint` into a
-`CompiledConstraint` before the request is queued: the text is first measured against
-`agent.constraint.limits` (llguidance overflows its stack or balloons past them), then
-compiled on `agent.constraint.worker`'s worker thread under a deadline. A grammar the
-library or a limit refuses is an `InvalidRequest` naming why, in one line of our words.
-Compiled grammars are kept in an LRU bounded in bytes (each entry's size measured as the
-process's RSS growth while it compiled) keyed by (kind, text), so a schema used again costs a
-copy of its matcher, not a compilation.
-
-Per request, `CompiledConstraint.start()` gives a `ConstraintState` (the matcher's copy, owned
-by the request's `Sampler` like its RNG): before each draw it masks every token that would
-leave the language (a stop token is allowed only where the grammar accepts), and after the
-draw it advances on the chosen token.
-
-llguidance is fed from our own tokenizer: each id's exact bytes (`Tokenizer.token_bytes`:
-SentencePiece ``▁`` as a space and ``<0xNN>`` pieces as their byte, byte-level BPE's ``Ġ``
-alphabet undone), so a grammar that needs a space gets the tokens that hold one. It is in the
-default install wherever it has a wheel; 32-bit Arm has none, and there a constrained request
-is refused with one line saying so (`MISSING_EXTRA`).
+"""Structured output: a `Constraint` compiled into a token mask by llguidance, checked against
+`agent.constraint.limits` first and compiled on `agent.constraint.worker`'s thread under a
+deadline; compiled grammars are kept in an LRU bounded in bytes. llguidance reads each token's
+exact bytes from our tokenizer.
 """
 
 from __future__ import annotations
@@ -148,7 +131,13 @@ class ConstraintState:
 
     The mask and the applied token always agree: `advance` refuses a token the last mask did
     not allow (a sampler bug, never a silently wrong token), and the matcher refusing one the
-    mask allowed is an error too, never skipped."""
+    mask allowed is an error too, never skipped.
+
+    Per request, `CompiledConstraint.start()` gives a `ConstraintState` (the matcher's copy, owned
+    by the request's `Sampler` like its RNG): before each draw it masks every token that would leave
+    the language (a stop token is allowed only where the grammar accepts), and after the draw it
+    advances on the chosen token.
+    """
 
     __slots__ = ("_allowed", "_bits", "_matcher", "_np", "_stop", "_tokens", "_vocab")
 
@@ -288,7 +277,23 @@ def grammar_text(llg: Any, constraint: Constraint) -> str:
 
 class ConstraintCompiler:
     """Compiles constraints for one tokenizer on a worker thread; thread-safe, with a cache
-    bounded in bytes."""
+    bounded in bytes.
+
+    `ConstraintCompiler` (one per engine, on its tokenizer) turns a request's `Constraint` into a
+    `CompiledConstraint` before the request is queued: the text is first measured against
+    `agent.constraint.limits` (llguidance overflows its stack or balloons past them), then compiled
+    on `agent.constraint.worker`'s worker thread under a deadline. A grammar the library or a limit
+    refuses is an `InvalidRequest` naming why, in one line of our words. Compiled grammars are kept
+    in an LRU bounded in bytes (each entry's size measured as the process's RSS growth while it
+    compiled) keyed by (kind, text), so a schema used again costs a copy of its matcher, not a
+    compilation.
+
+    llguidance is fed from our own tokenizer: each id's exact bytes (`Tokenizer.token_bytes`:
+    SentencePiece ``▁`` as a space and ``<0xNN>`` pieces as their byte, byte-level BPE's ``Ġ``
+    alphabet undone), so a grammar that needs a space gets the tokens that hold one. It is in the
+    default install wherever it has a wheel; 32-bit Arm has none, and there a constrained request is
+    refused with one line saying so (`MISSING_EXTRA`).
+    """
 
     def __init__(
         self,

@@ -1,21 +1,6 @@
-"""Keys kept distinct while a JSON output is generated.
-
-A grammar cannot remember which keys an object already holds, so where a schema leaves keys
-free (a map's ``additionalProperties``, ``json_object``, a pattern with infinitely many
-names) llguidance lets one repeat (``{"a":1,"a":2}``). `DistinctKeys` wraps a request's
-grammar state: it follows the output with a small JSON scanner (the open containers, each
-open object's keys, the key being written) and, before each draw, masks every allowed token
-that would close a key its object already holds. Only tokens holding a ``"`` can close a key,
-so each step looks at few tokens. Keys are compared as written: the compiled schema allows
-one spelling per character (`schema_rewrite.GUIDANCE`), so equal keys are equal bytes.
-
-Where every continuation the grammar allows repeats a key (a pattern whose other names are
-used up), the request ends with an error, never with a repeated key.
-
-When the grammar ends the output (its stop token), `check_output` reads it once more, with a
-parser that refuses duplicate keys and with ``jsonschema`` against the request's own schema:
-tokens already streamed cannot be taken back, so a failure there (a bug, never expected) ends
-the request as an error instead of a silent "stop" with a wrong answer.
+"""Keys kept distinct while a JSON output is generated: a grammar cannot remember which keys an
+object already holds, so `DistinctKeys` masks tokens that would repeat one, and
+`check_output` re-reads the finished output against the request's schema.
 """
 
 from __future__ import annotations
@@ -124,7 +109,20 @@ class _Scanner:
 
 
 class DistinctKeys:
-    """A grammar state whose JSON output never holds a key twice in one object."""
+    """A grammar state whose JSON output never holds a key twice in one object.
+
+    A grammar cannot remember which keys an object already holds, so where a schema leaves keys free
+    (a map's ``additionalProperties``, ``json_object``, a pattern with infinitely many names)
+    llguidance lets one repeat (``{"a":1,"a":2}``). `DistinctKeys` wraps a request's grammar state:
+    it follows the output with a small JSON scanner (the open containers, each open object's keys,
+    the key being written) and, before each draw, masks every allowed token that would close a key
+    its object already holds. Only tokens holding a ``"`` can close a key, so each step looks at few
+    tokens. Keys are compared as written: the compiled schema allows one spelling per character
+    (`schema_rewrite.GUIDANCE`), so equal keys are equal bytes.
+
+    Where every continuation the grammar allows repeats a key (a pattern whose other names are used
+    up), the request ends with an error, never with a repeated key.
+    """
 
     __slots__ = ("_forbidden", "_inner", "_out", "_scan", "_schema", "_stop", "_vocab")
 
@@ -260,7 +258,13 @@ def loads_distinct(text: str | bytes) -> Any:
 
 def check_output(text: bytes, schema: Any) -> str | None:
     """None if `text` is one JSON value, no object holding a key twice, valid under
-    `schema` (when ``jsonschema`` is installed); otherwise why not, in one line."""
+    `schema` (when ``jsonschema`` is installed); otherwise why not, in one line.
+
+    When the grammar ends the output (its stop token), `check_output` reads it once more, with a
+    parser that refuses duplicate keys and with ``jsonschema`` against the request's own schema:
+    tokens already streamed cannot be taken back, so a failure there (a bug, never expected) ends
+    the request as an error instead of a silent "stop" with a wrong answer.
+    """
     try:
         value = loads_distinct(text)
     except (ValueError, RecursionError) as exc:

@@ -1,12 +1,7 @@
-"""What a constraint may ask of llguidance, checked before anything is compiled.
-
-llguidance's compiler recurses on the calling thread's stack: a Lark grammar of ~2,700
-chained rules or a JSON schema of ~900 nested ``$ref``→``properties`` levels overflows an
-8 MiB stack and kills the process (SIGSEGV, nothing to catch). Bounded repetitions are
-multiplied out by its lexer: ``a{1000000}`` costs ~90 MiB and then fails at the first token.
-So a constraint is measured here, in plain Python that never recurses, and refused past
-limits well inside what the library survives (docs/API.md, "Constraint limits", has the
-measurements): the refusal names the limit and where in the text or schema it was passed.
+"""What a constraint may ask of llguidance, checked before anything is compiled: its compiler
+recurses on the thread's stack (a deep grammar or schema kills the process) and multiplies out
+bounded repetitions, so a constraint is measured here in plain Python that never recurses and
+refused past limits well inside what the library survives (docs/API.md, "Constraint limits").
 """
 
 from __future__ import annotations

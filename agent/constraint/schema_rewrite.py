@@ -1,23 +1,6 @@
-"""A JSON schema rewritten so that what llguidance generates is what the schema means.
-
-llguidance compiles a schema's syntax into a grammar, and a context-free grammar loses a few
-of its meanings (measured on llguidance 1.9.1; docs/API.md, "Structured output"):
-
-* keys matched by ``patternProperties`` or free ``additionalProperties`` may repeat within one
-  object, and ``minProperties`` then counts the repeats;
-* a key may be spelled with escapes (``"\\u0061"``), which slips a declared property past its
-  own schema as an "additional" key;
-* integer bounds pass through a 64-bit float (``minimum: 9007199254740993`` allowed
-  ``9007199254740992``) and are clamped to 2^63-1 (``minimum: 2^63`` allowed ``2^63-1``);
-  exclusive bounds are judged on decimals a float parser cannot tell apart
-  (``exclusiveMinimum: 0.1`` allowed ``0.10000000000000001``, which is 0.1);
-* a request's own ``x-guidance`` could switch on ``lenient`` (unknown keywords ignored).
-
-`rewrite_schema` gives a schema whose every instance is an instance of the original (a
-subset of its language, never more), or refuses with `InvalidRequest` naming the schema path
-where no such subset keeps the schema's requirements. Keys that stay free (a map's
-``additionalProperties`` schema, a pattern with infinitely many names) are kept distinct at
-generation by `agent.constraint.json_keys`.
+"""A JSON schema rewritten so that what llguidance generates is what the schema means: a
+context-free grammar loses a few of a schema's meanings, so `rewrite_schema` gives a subset
+schema that keeps them, or refuses naming where none exists (docs/API.md, "Structured output").
 """
 
 from __future__ import annotations
@@ -90,7 +73,27 @@ def _refuse(path: str, what: str) -> InvalidRequest:
 
 
 def rewrite_schema(schema: Any) -> Rewritten:
-    """`schema` (parsed JSON, not modified) as a schema llguidance compiles to its meaning."""
+    """`schema` (parsed JSON, not modified) as a schema llguidance compiles to its meaning.
+
+    llguidance compiles a schema's syntax into a grammar, and a context-free grammar loses a few of
+    its meanings (llguidance 1.9.1; docs/API.md, "Structured output"):
+
+    * keys matched by ``patternProperties`` or free ``additionalProperties`` may repeat within one
+      object, and ``minProperties`` then counts the repeats;
+    * a key may be spelled with escapes (``"\\u0061"``), which slips a declared property past its
+      own schema as an "additional" key;
+    * integer bounds pass through a 64-bit float (``minimum: 9007199254740993`` allowed
+      ``9007199254740992``) and are clamped to 2^63-1 (``minimum: 2^63`` allowed ``2^63-1``);
+      exclusive bounds are judged on decimals a float parser cannot tell apart
+      (``exclusiveMinimum: 0.1`` allowed ``0.10000000000000001``, which is 0.1);
+    * a request's own ``x-guidance`` could switch on ``lenient`` (unknown keywords ignored).
+
+    `rewrite_schema` gives a schema whose every instance is an instance of the original (a subset of
+    its language, never more), or refuses with `InvalidRequest` naming the schema path where no such
+    subset keeps the schema's requirements. Keys that stay free (a map's ``additionalProperties``
+    schema, a pattern with infinitely many names) are kept distinct at generation by
+    `agent.constraint.json_keys`.
+    """
     if not isinstance(schema, dict):
         return Rewritten(schema, ())
     changes: list[str] = []

@@ -1,16 +1,6 @@
-"""Where llguidance compiles: one worker thread with a big stack, one compile at a time, and a
-deadline for whoever waits on it.
-
-llguidance's compiler recurses on its thread's stack (see `agent.constraint.limits`);
-a thread made with a 64 MiB stack moves the depth at which it overflows eight times further
-out than the main thread's 8 MiB (measured: ~2,650 → ~21,300 chained Lark rules, ~925 →
-~7,400 ``$ref`` levels), so past our limits there is a wide margin, and no input class needs a
-child process. The stack is reserved address space; only the pages a compile touches count.
-
-The library drops the GIL while it compiles and computes masks, so other threads (the event
-loop's callers, the engine) run meanwhile. A caller waits until its deadline; a compile that
-is still running then is left to finish on the worker (it cannot be interrupted) and its
-result dropped, and the caller gets an `InvalidRequest` naming the deadline.
+"""Where llguidance compiles: one worker thread with a big stack (its compiler recurses; see
+`agent.constraint.limits`), one compile at a time, and a deadline for whoever waits on it. A
+compile still running at the deadline finishes on the worker and its result is dropped.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
-"""The on-disk format of one saved session (`KVSnapshot` + small JSON metadata).
-
-Layout, all integers little-endian::
-
-    preamble   12 bytes   magic b"EAKV", u16 format version, u16 flags (0), u32 header length
-    header     JSON       {"model_sha256", "tokens", "meta",
-                           "arrays": [{"name", "dtype", "shape", "offset", "nbytes"}, ...]}
-    data       raw bytes  each array C-ordered at header-relative "offset" (back to back)
-    trailer    32 bytes   sha256 of every byte before it
-
-`read_header` reads only the preamble and header (cheap: used to list and to scan); the
-checksum is verified by `read_snapshot`, which reads the arrays straight into fresh numpy
-arrays. Everything here raises ``ValueError`` (with a short reason) for a bad file; the caller
-turns that into `agent.base.errors.SessionLost`.
+"""The on-disk format of one saved session (`KVSnapshot` + small JSON metadata): a preamble, a
+JSON header, the arrays and a sha256 trailer (`encode`). Everything here raises
+``ValueError`` with a short reason for a bad file; the caller turns that into `SessionLost`.
 """
 
 from __future__ import annotations
@@ -90,7 +79,19 @@ class Encoded:
 
 
 def encode(snapshot: KVSnapshot, meta: Mapping[str, object]) -> Encoded:
-    """Lay out `snapshot` and `meta`; ``ValueError`` if an array or `meta` cannot be stored."""
+    """Lay out `snapshot` and `meta`; ``ValueError`` if an array or `meta` cannot be stored.
+
+    Layout, all integers little-endian::
+
+        preamble   12 bytes   magic b"EAKV", u16 format version, u16 flags (0), u32 header length
+        header     JSON       {"model_sha256", "tokens", "meta",
+                               "arrays": [{"name", "dtype", "shape", "offset", "nbytes"}, ...]}
+        data       raw bytes  each array C-ordered at header-relative "offset" (back to back)
+        trailer    32 bytes   sha256 of every byte before it
+
+    `read_header` reads only the preamble and header (cheap: used to list and to scan); the checksum
+    is verified by `read_snapshot`, which reads the arrays straight into fresh numpy arrays.
+    """
     specs: list[dict[str, object]] = []
     offset = 0
     for name, a in snapshot.arrays.items():

@@ -1,17 +1,6 @@
-"""`DiskTier`: spilled sessions as checksummed files in the state directory.
-
-One file per session, ``<root>/sessions/<key>.kv`` in the `agent.kv.codec` format, written
-with `agent.base.fsutil.atomic_write` (a crash leaves the old file or the new one). Files
-survive a daemon restart while the model's sha256 is unchanged; on construction the directory
-is scanned and files of another model, corrupt files and leftover temp files are deleted.
-Least recently used sessions (file mtime, touched on every read) are evicted to keep the total
-file size within `budget_bytes`.
-
-Failures to store never raise: `put` returns a not-ok `Stored` and the caller keeps the session
-in host memory. A file that cannot be used raises `SessionLost` from `get` and is deleted.
-The scan checks each file's header and size only (files it cannot open are left in place,
-unaccounted); the checksum is verified on `get`.
-Not thread-safe: one owner thread (the engine's).
+"""`DiskTier`: spilled sessions as checksummed files in the state directory, kept across
+restarts while the model is unchanged and evicted least recently used within a byte budget.
+A failure to store never raises: the caller keeps the session in host memory.
 """
 
 from __future__ import annotations
@@ -72,6 +61,19 @@ class DiskTier:
 
     `disabled` is None when the tier works, else the reason it does not (budget 0, or the
     directory cannot be created); a disabled tier stores nothing and touches no files.
+
+    One file per session, ``<root>/sessions/<key>.kv`` in the `agent.kv.codec` format, written with
+    `agent.base.fsutil.atomic_write` (a crash leaves the old file or the new one). Files survive a
+    daemon restart while the model's sha256 is unchanged; on construction the directory is scanned
+    and files of another model, corrupt files and leftover temp files are deleted. Least recently
+    used sessions (file mtime, touched on every read) are evicted to keep the total file size within
+    `budget_bytes`.
+
+    Failures to store never raise: `put` returns a not-ok `Stored` and the caller keeps the session
+    in host memory. A file that cannot be used raises `SessionLost` from `get` and is deleted. The
+    scan checks each file's header and size only (files it cannot open are left in place,
+    unaccounted); the checksum is verified on `get`. Not thread-safe: one owner thread (the
+    engine's).
     """
 
     def __init__(self, root: Path, model_sha256: str, budget_bytes: int) -> None:

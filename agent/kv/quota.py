@@ -1,12 +1,6 @@
-"""Fair eviction between clients: whose entries may make room for whom.
-
-One pure rule serves every bounded store that clients share (the session count, the host tier,
-the disk tier): room for a client is made only from that client's own entries or from clients
-holding more than their fair share (the capacity divided by the number of clients holding
-anything, the one asking included). A client within its fair share never loses an entry
-because another client made many. Among those allowed, the client holding the most gives
-first (the one asking, on a tie), its least recently used entry first; when even that is not
-enough, the caller refuses instead of reaching further.
+"""Fair eviction between clients: whose entries may make room for whom. One pure rule for
+every bounded store clients share, so that a client within its fair share never loses an
+entry because another client made many (`fair_victims`).
 """
 
 from __future__ import annotations
@@ -37,7 +31,16 @@ def fair_victims(
 ) -> list[str] | None:
     """Keys to evict, in order, so that `need` more of `owner`'s fits within `capacity`, or
     None when the entries the rule allows are not enough. `holdings` are in least recently
-    used order; an owner's usage counts `need` for the one asking."""
+    used order; an owner's usage counts `need` for the one asking.
+
+    One pure rule serves every bounded store that clients share (the session count, the host tier,
+    the disk tier): room for a client is made only from that client's own entries or from clients
+    holding more than their fair share (the capacity divided by the number of clients holding
+    anything, the one asking included). A client within its fair share never loses an entry because
+    another client made many. Among those allowed, the client holding the most gives first (the one
+    asking, on a tie), its least recently used entry first; when even that is not enough, the caller
+    refuses instead of reaching further.
+    """
     if need > capacity:
         return None
     usage: Counter[str] = Counter()

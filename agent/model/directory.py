@@ -1,40 +1,6 @@
-"""A model directory: one or more `.tflite` variants, a tokenizer and metadata.
-
-`agent.model.open.open_model` also takes a `.litertlm` bundle (`agent.model.litertlm.bundle`:
-extracted once into a cache, described by the same `ModelMeta`); `edge-agent model import`
-(`agent.modelimport`) writes a model directory from a bundle or a download folder
-(docs/MODELS.md).
-
-Layout::
-
-    <dir>/metadata.json
-    <dir>/tokenizer.model | tokenizer.json   (SentencePiece, or Hugging Face tokenizers)
-    <dir>/<variant files>.tflite
-
-``metadata.json`` (written by the toolchain, read here)::
-
-    {
-      "format": 1,
-      "name": "edge-demo-pystdlib", "version": "1.0.0",
-      "context_length": 1024,
-      "tokenizer": "tokenizer.model",
-      "bos_id": 1, "eos_id": 2, "stop_token_ids": [2],
-      "chat_template": "{system}\\n{user}\\n",
-      "add_bos": true,
-      "variants": [
-        {"file": "model_int8.tflite", "quantization": "int8",
-         "sha256": "...", "size": 5800000}
-      ]
-    }
-
-Quantization names: ``fp32``, ``fp16``, ``int8``, ``int4_block32``, ``int4_block64``,
-``int4_block128``, ``mixed``, ``int8_weight_only``.
-
-Optional keys (absent in older directories): ``add_bos`` (prepend ``bos_id`` to a plain prompt;
-default true when ``bos_id`` is set), ``bos_id`` / ``eos_id`` may be ``null`` (Qwen has no BOS),
-``chat_template`` is either the old ``{system}``/``{user}`` form or a Jinja template (a template
-with ``{%`` or ``{{``), ``""`` when the model has none (chat is then refused), and
-``generation`` holds sampler defaults the model ships (``temperature``, ``top_k``, ``top_p``).
+"""A model directory: one or more `.tflite` variants, a tokenizer and ``metadata.json``, the
+form every model takes here (a `.litertlm` bundle is opened into the same `ModelMeta`:
+`agent.model.litertlm`). Layout and keys: `load_model_dir`; docs/MODELS.md.
 """
 
 from __future__ import annotations
@@ -161,7 +127,39 @@ def _generation(raw: dict[str, Any], where: Path) -> tuple[tuple[str, float], ..
 
 
 def load_model_dir(directory: Path) -> ModelMeta:
-    """Read and check `metadata.json` of a model directory (does not hash the files)."""
+    """Read and check `metadata.json` of a model directory (does not hash the files).
+
+    Layout::
+
+        <dir>/metadata.json
+        <dir>/tokenizer.model | tokenizer.json   (SentencePiece, or Hugging Face tokenizers)
+        <dir>/<variant files>.tflite
+
+    ``metadata.json`` (written by the toolchain, read here)::
+
+        {
+          "format": 1,
+          "name": "edge-demo-pystdlib", "version": "1.0.0",
+          "context_length": 1024,
+          "tokenizer": "tokenizer.model",
+          "bos_id": 1, "eos_id": 2, "stop_token_ids": [2],
+          "chat_template": "{system}\\n{user}\\n",
+          "add_bos": true,
+          "variants": [
+            {"file": "model_int8.tflite", "quantization": "int8",
+             "sha256": "...", "size": 5800000}
+          ]
+        }
+
+    Quantization names: ``fp32``, ``fp16``, ``int8``, ``int4_block32``, ``int4_block64``,
+    ``int4_block128``, ``mixed``, ``int8_weight_only``.
+
+    Optional keys (absent in older directories): ``add_bos`` (prepend ``bos_id`` to a plain prompt;
+    default true when ``bos_id`` is set), ``bos_id`` / ``eos_id`` may be ``null`` (Qwen has no BOS),
+    ``chat_template`` is either the old ``{system}``/``{user}`` form or a Jinja template (a template
+    with ``{%`` or ``{{``), ``""`` when the model has none (chat is then refused), and
+    ``generation`` holds sampler defaults the model ships (``temperature``, ``top_k``, ``top_p``).
+    """
     if directory.is_file():
         raise ModelFormatError(
             f"{directory}: a file, not a model directory (a .litertlm runs with --model; "

@@ -1,16 +1,7 @@
-"""The canary a new model must pass before it serves: it loads (the caller built the engine and
-hands the canary a `Model`: callables that run it, so ota never imports the engine), its first
-logits are finite, greedy tokens are in the vocabulary, and it matches the manifest's
-expectation when there is one: the expected greedy tokens, a checksum of the rounded first
-logits, or a bound on its mean negative log-likelihood over the canary prompt.
-
-The bound is what `update make` records by default (`reference_canary`): the prompt is a fixed
-seed followed by the *base* model's own greedy continuation, and the new model must predict
-that text about as well as the base model does: at most halfway from the base model's score to
-a uniform guess over the vocabulary (ln V). A fine-tune stays near the base model's score; a
-model whose weights are garbage but finite scores near or beyond ln V (measured on the demo
-model: base 0.9-1.7 nats/token, ±1 on half of every int8 weight the same, random int8 weights
-25-28, ln V 8.3; docs/UPDATES.md).
+"""The canary a new model must pass before it serves: it loads, its first logits are finite, its
+greedy tokens are in the vocabulary, and it meets the manifest's expectation when there is one
+(greedy tokens, a logits checksum, or a bound on its mean negative log-likelihood). ota never
+imports the engine: the caller hands over a `Model` of callables. The bound: docs/UPDATES.md.
 """
 
 from __future__ import annotations
@@ -96,7 +87,15 @@ def reference_canary(
 ) -> opb.Canary:
     """The default canary: `seed` and the base model's greedy continuation as the prompt, and
     the bound on the new model's mean NLL over it. CanaryError if the base model does not know
-    its own text well enough for the bound to tell a broken model from it."""
+    its own text well enough for the bound to tell a broken model from it.
+
+    The bound is what `update make` records by default (`reference_canary`): the prompt is a fixed
+    seed followed by the *base* model's own greedy continuation, and the new model must predict that
+    text about as well as the base model does: at most halfway from the base model's score to a
+    uniform guess over the vocabulary (ln V). A fine-tune stays near the base model's score; a model
+    whose weights are garbage but finite scores near or beyond ln V (the demo model's scores:
+    docs/UPDATES.md).
+    """
     text = seed + base.greedy(seed, n)[1]
     base_nll = mean_nll(base, text)
     vocab = base.vocab_size

@@ -1,13 +1,6 @@
-"""Fault injection for the update crash tests: SIGKILL the agent at a named point.
-
-Active only when ``EDGE_AGENT_FAULT_INJECTION=1`` and ``EDGE_AGENT_OTA_CRASH_AT`` names the
-point: a state entered (``verified``), ``unreported-<state>`` (the record says that state, its
-report is not written yet), ``switched`` (the pointer names the new model, the record still
-says activating), ``mid-download``, ``mid-staging``.
-
-``EDGE_AGENT_OTA_PAUSE_AT=<state>`` holds the update, once its record says that state and
-before the state's work starts, until the file ``EDGE_AGENT_OTA_RESUME_FILE`` exists (the clock
-tests move the wall clock there).
+"""Fault injection for the update crash tests: SIGKILL the agent at a named point, or hold an
+update at a state until a file exists. Off unless ``EDGE_AGENT_FAULT_INJECTION=1``; the
+variables: `crash_point`.
 """
 
 from __future__ import annotations
@@ -28,7 +21,17 @@ RESUME_ENV = "EDGE_AGENT_OTA_RESUME_FILE"
 
 
 def crash_point(name: str) -> None:
-    """SIGKILL ourselves if the crash tests asked for point `name`."""
+    """SIGKILL ourselves if the crash tests asked for point `name`.
+
+    Active only when ``EDGE_AGENT_FAULT_INJECTION=1`` and ``EDGE_AGENT_OTA_CRASH_AT`` names the
+    point: a state entered (``verified``), ``unreported-<state>`` (the record says that state, its
+    report is not written yet), ``switched`` (the pointer names the new model, the record still says
+    activating), ``mid-download``, ``mid-staging``.
+
+    ``EDGE_AGENT_OTA_PAUSE_AT=<state>`` holds the update, once its record says that state and before
+    the state's work starts, until the file ``EDGE_AGENT_OTA_RESUME_FILE`` exists (the clock tests
+    move the wall clock there).
+    """
     if os.environ.get(CRASH_ENV) == name and os.environ.get("EDGE_AGENT_FAULT_INJECTION") == "1":
         log.warning("fault injection: SIGKILL at %s", name)
         os.kill(os.getpid(), 9)

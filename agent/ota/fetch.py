@@ -1,13 +1,6 @@
-"""Downloading an update's payload into `<state>/ota/payload/<id>.part`, resumable.
-
-Both transports append to the same partial file, so a disconnect or a restart resumes from its
-size; neither ever writes more than the manifest's declared size (a server that sends more is
-an attack, "endless data", and the update is rejected):
-
-* HTTP(S) from the manifest's URL, with `Range: bytes=<have>-`;
-* MQTT, in blocks the device asks for by offset (for fleets with only a broker): a
-  `BlockRequest` on `<prefix>/<device>/update/block`, answered with a `Block` on
-  `.../update/data` by `edge-agent fleet publish-update`.
+"""Downloading an update's payload into `<state>/ota/payload/<id>.part`, resumable: HTTP(S)
+ranges from the manifest's URL, or MQTT blocks asked for by offset (fleets with only a broker).
+Both append to the same partial file and never write past the manifest's declared size.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""Which model serves, and the last known good one: the model store's pointer, switched
-atomically, and the update record, written before every side effect.
-
-Layout under the state directory:
-
-    models/<version>-<sha256[:16]>/   model directories built by updates (never modified after
-                                      staging; `.staging` suffix while being built)
-    ota/installed.json                the pointer: the serving model and the last known good one
-    ota/record.pb                     the update in progress (UpdateRecord), or the last one
-    ota/payload/<update_id>.part      a download in progress
-
-The pointer file *is* the switch: it is replaced with `atomic_write` (temp file, fsync, rename,
-fsync the directory), so after a crash it names either the old model or the new one.
+"""Which model serves, and the last known good one: the model store's pointer, replaced
+atomically, so that after a crash it names either the old model or the new one; and the update
+record, written before every side effect. Layout: `Store`.
 """
 
 from __future__ import annotations
@@ -66,6 +56,18 @@ def _write_bytes(path: Path, data: bytes) -> None:
 
 
 class Store:
+    """The pointer and the update record. Layout under the state directory::
+
+        models/<version>-<sha256[:16]>/  model directories built by updates (never modified
+                                         after staging; `.staging` suffix while being built)
+        ota/installed.json               the pointer: the serving model and the last known good
+        ota/record.pb                    the update in progress (UpdateRecord), or the last one
+        ota/payload/<update_id>.part     a download in progress
+
+    The pointer file *is* the switch: it is replaced with `atomic_write` (temp file, fsync, rename,
+    fsync the directory), so after a crash it names either the old model or the new one.
+    """
+
     MAX_FINISHED = 256  # replay protection remembers this many update ids
 
     def __init__(self, state_dir: Path) -> None:

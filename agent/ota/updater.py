@@ -1,26 +1,6 @@
 """The update state machine: received → downloading → verified → staged → activating → trial →
-committed | rolled_back | rejected (docs/UPDATES.md).
-
-The record (`Store.save`, fsynced) is written *before* each side effect, so after a crash or a
-power cut `boot()` and `resume()` continue from it:
-
-* `boot()` runs before the first model load and decides which model to load: the pointer's
-  current model if its file still has the recorded sha256 (else the last known good one); an
-  update that crashed while activating, or crash-loops in its trial, is rolled back here.
-* `resume()` runs once the daemon serves and continues an interrupted download, stage,
-  activation or trial.
-
-Reports: each transition is reported right after its record is saved, with an idempotency key
-(update id and state); `attach()` re-reports the record's state at every start, so a crash
-between the record and its report loses nothing, and the outbox records each key once.
-
-Everything here runs on the daemon's event loop; downloads and patching run in a worker
-thread. The current model serves throughout; nothing changes until the new model has loaded
-beside it and passed its canary.
-
-Beside the machine: the steps' work (download.py, staging.py), the record and the pointer
-(store.py), the reports (reports.py), what follows an ended update (cleanup.py), a cancel's
-interrupt (interrupt.py) and what the daemon provides (host.py).
+committed | rolled_back | rejected (docs/UPDATES.md). The record is written before each side
+effect, so a crash or power cut continues from it; the current model serves throughout.
 """
 
 from __future__ import annotations
@@ -61,6 +41,28 @@ TRIAL_SAVE_S = 10.0  # the trial's elapsed time is written at least this often (
 
 
 class Updater:
+    """The update state machine. The record (`Store.save`, fsynced) is written *before* each side
+    effect, so after a crash or a power cut `boot()` and `resume()` continue from it:
+
+    * `boot()` runs before the first model load and decides which model to load: the pointer's
+      current model if its file still has the recorded sha256 (else the last known good one); an
+      update that crashed while activating, or crash-loops in its trial, is rolled back here.
+    * `resume()` runs once the daemon serves and continues an interrupted download, stage,
+      activation or trial.
+
+    Reports: each transition is reported right after its record is saved, with an idempotency key
+    (update id and state); `attach()` re-reports the record's state at every start, so a crash
+    between the record and its report loses nothing, and the outbox records each key once.
+
+    Everything here runs on the daemon's event loop; downloads and patching run in a worker thread.
+    The current model serves throughout; nothing changes until the new model has loaded beside it
+    and passed its canary.
+
+    Beside the machine: the steps' work (download.py, staging.py), the record and the pointer
+    (store.py), the reports (reports.py), what follows an ended update (cleanup.py), a cancel's
+    interrupt (interrupt.py) and what the daemon provides (host.py).
+    """
+
     def __init__(
         self,
         store: Store,

@@ -1,20 +1,6 @@
-"""Device profiles: one TOML file per board class, parsed once into frozen dataclasses.
-
-Three layers, each usable alone:
-
-* ``parse_profile(data, source)`` is pure: a TOML document (already a dict) becomes a validated
-  ``DeviceProfile`` or a ``ConfigError`` naming the file, the dotted key, the bad value and what
-  is allowed. Unknown keys at any level are errors.
-* ``load_profile(path)``, ``list_profiles()``, ``resolve_profile(...)`` do the file I/O.
-* ``detect(root)`` reads a /proc-like tree under ``root`` (the real one by default, fixture trees
-  in tests), scores every shipped profile against what it finds and says why it picked one.
-
-The schema, the scoring rules and the shipped profiles are documented in docs/PROFILES.md.
-
-The package, one noun a module: `schema` (the dataclasses, allowed values and table keys),
-`parse` (validation), `load` (profile files, the shipped directory), `facts` (what the board's
-/proc says), `detect` (scoring the profiles against those facts), `resolve` (which profile runs
-and why), `quantization` (what ``auto`` picks), `describe` (``profile show`` text and JSON).
+"""Device profiles: one TOML file per board class, parsed once into frozen dataclasses, in three
+layers usable alone: ``parse_profile`` (pure validation), ``load_profile`` and friends (file
+I/O), ``detect`` (which shipped profile fits a /proc-like tree, and why). docs/PROFILES.md.
 """
 
 from agent.profile.describe import as_json, describe

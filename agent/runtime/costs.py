@@ -1,15 +1,7 @@
 """What each signature call costs, measured: a running mean of seconds per signature
-(`CallCosts`), kept by `agent.runtime.runner.RunnerBase` around every call.
-
-The first `SKIP` calls of a signature are not counted: the first pays LiteRT's lazy
-initialisation (XNNPACK sets up its operators on the first run), tens of times a steady call on
-the SmolLM shape, and the next ones still fault pages in. A counted call slower than `OUTLIER`
-times the mean (the thread was descheduled, a cache was cold) counts as that much; a fast one
-counts in full, so the mean follows the kernels' own cost down quickly. Measured on the demo
-model: plain means over the first calls (the load's checks among them) put verify_8 at 3.4 ms
-against 0.3 ms steady, and the speculation policy, which compares these means, then backed off
-for hundreds of tokens after one failed draft.
-Nothing here imports numpy or LiteRT.
+(`CallCosts`), kept by `agent.runtime.runner.RunnerBase` around every call, which the
+speculation policy compares. Warm-up calls are skipped and outliers capped so that the mean
+follows the kernels' steady cost. Nothing here imports numpy or LiteRT.
 """
 
 from __future__ import annotations

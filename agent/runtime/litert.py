@@ -1,24 +1,7 @@
-"""The runtime's front door: load an exported LLM, bind its KV cache, run it.
-
-Two execution paths behind one interface (`Runner`):
-
-* ``CompiledModel`` (primary): the runtime creates each session's KV buffers once; the same
-  buffer is bound as the input *and* the output of a signature, so the model updates the cache
-  in place and nothing is copied per token.
-* ``Interpreter`` (fallback, and the path for TFLite external delegates): the session's KV
-  lives in our arrays; before a signature runs its input tensors are loaded (only when another
-  session or signature wrote since), and after it runs only the rows it wrote are copied back.
-  The KV cache never travels through a signature runner.
-
-Which path and which accelerator come from the profile's ordered chain; a link that fails
-falls back to the next one with one warning naming the reason.
-
-The modules behind it, one noun each: `agent.runtime.plan` (what a load costs),
-`agent.runtime.runner` (the interface and the shared base), `agent.runtime.compiled` and
-`agent.runtime.interpreter` (the two paths), `agent.runtime.prepare.model` (the copy the CPU path
-runs), `agent.runtime.prepare.cachefiles` (the weight cache directory) and `agent.runtime.legacy`
-(tflite-runtime). This module loads: format and budget checks, the accelerator chain, the
-first-load checks.
+"""The runtime's front door: load an exported LLM, bind its KV cache, run it, on one of two
+execution paths behind one interface (`Runner`): ``CompiledModel`` (KV buffers bound in place)
+or ``Interpreter`` (the fallback and the external-delegate path). The profile's accelerator
+chain picks the path; a link that fails falls back to the next with one warning.
 """
 
 from __future__ import annotations
@@ -81,6 +64,23 @@ def load(
     `cache_key` (the model's sha256) names the persistent XNNPACK weight cache file when the
     profile sets `xnnpack_weight_cache_dir`; without both, the cache lives in memory.
     `kv_windows=False` runs only the full-length signatures of a file that has KV windows.
+
+    Two execution paths behind one interface (`Runner`):
+
+    * ``CompiledModel`` (primary): the runtime creates each session's KV buffers once; the same
+      buffer is bound as the input *and* the output of a signature, so the model updates the cache
+      in place and nothing is copied per token.
+    * ``Interpreter`` (fallback, and the path for TFLite external delegates): the session's KV
+      lives in our arrays; before a signature runs its input tensors are loaded (only when another
+      session or signature wrote since), and after it runs only the rows it wrote are copied back.
+      The KV cache never travels through a signature runner.
+
+    The modules behind it, one noun each: `agent.runtime.plan` (what a load costs),
+    `agent.runtime.runner` (the interface and the shared base), `agent.runtime.compiled` and
+    `agent.runtime.interpreter` (the two paths), `agent.runtime.prepare.model` (the copy the CPU
+    path runs), `agent.runtime.prepare.cachefiles` (the weight cache directory) and
+    `agent.runtime.legacy` (tflite-runtime). This module loads: format and budget checks, the
+    accelerator chain, the first-load checks.
     """
     keep_large_buffers_mapped()
     model = read_model_file(path, parse_cache(profile, cache_key))

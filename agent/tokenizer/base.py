@@ -1,15 +1,6 @@
-"""The tokenizer interface both kinds implement: SentencePiece (`agent.tokenizer.sentencepiece`)
-and Hugging Face ``tokenizers`` (`agent.tokenizer.hf`);
-`agent.tokenizer.load.load_tokenizer` picks the kind by file.
-
-Beside either one, a ``tokenizer_config.json`` as Hugging Face ships it may say
-``add_bos_token`` / ``add_eos_token`` and name ``bos_token`` / ``eos_token`` (the strings a
-chat template writes); `read_tokenizer_config` reads those keys and ignores the rest.
-
-Both kinds honour the same contract: ``encode(text)`` treats the text as plain text (a user
-who types ``<|im_end|>`` gets the pieces of those characters, never the special id) unless
-``special=True``; ``decode`` and ``stream`` render special tokens as nothing; a stream never
-emits half a character and never drops one (an incomplete tail becomes U+FFFD at ``flush``).
+"""The tokenizer interface both kinds implement (SentencePiece, Hugging Face ``tokenizers``) and
+the ``tokenizer_config.json`` keys read beside them. Text is plain unless ``special=True``
+(typed ``<|im_end|>`` is never a special id); a stream never splits a character (`Tokenizer`).
 """
 
 from __future__ import annotations
@@ -50,7 +41,13 @@ class DetokenizeStream(Protocol):
 
 
 class Tokenizer(Protocol):
-    """What the engine, the RPCs and the benchmarks need from a tokenizer."""
+    """What the engine, the RPCs and the benchmarks need from a tokenizer.
+
+    Both kinds honour the same contract: ``encode(text)`` treats the text as plain text (a user who
+    types ``<|im_end|>`` gets the pieces of those characters, never the special id) unless
+    ``special=True``; ``decode`` and ``stream`` render special tokens as nothing; a stream never
+    emits half a character and never drops one (an incomplete tail becomes U+FFFD at ``flush``).
+    """
 
     kind: str  # "sentencepiece" | "huggingface"
     path: Path
@@ -99,7 +96,12 @@ def _token_string(value: Any, key: str, where: Path) -> str | None:
 
 
 def read_tokenizer_config(directory: Path) -> TokenizerConfig:
-    """``tokenizer_config.json`` in `directory`, or an empty config when there is none."""
+    """``tokenizer_config.json`` in `directory`, or an empty config when there is none.
+
+    Beside either one, a ``tokenizer_config.json`` as Hugging Face ships it may say
+    ``add_bos_token`` / ``add_eos_token`` and name ``bos_token`` / ``eos_token`` (the strings a chat
+    template writes); `read_tokenizer_config` reads those keys and ignores the rest.
+    """
     where = directory / CONFIG_FILE
     try:
         raw = json.loads(where.read_text(encoding="utf-8"))

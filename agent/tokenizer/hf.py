@@ -1,18 +1,6 @@
-"""Hugging Face ``tokenizer.json`` through the ``tokenizers`` library.
-
-Encoding: ``add_special_tokens=False`` always (BOS/EOS are the engine's and the chat template's
-business, never the post-processor's), and the library's ``encode_special_tokens`` switch on
-for plain text, so text spelling a special token (``<|im_end|>``) is split into ordinary pieces
-like any other text. Added tokens that are not special (Qwen's ``<think>``) are matched either
-way, as the library and transformers do.
-
-Decoding is the library's own ``decode(..., skip_special_tokens=True)``. Streaming uses the
-prefix/read-offset technique (as text-generation-inference and vLLM do): each new id decodes a
-short window of the latest ids, and the text past the window's earlier part is emitted once it
-does not end in U+FFFD (an incomplete UTF-8 sequence from byte-level or byte-fallback pieces).
-Every delta therefore holds whole characters, and the deltas joined equal ``decode`` of all
-ids: decoding the window twice from the same start makes decoders that treat the first token
-specially (Metaspace's leading space, ``Strip``) agree with themselves.
+"""Hugging Face ``tokenizer.json`` through the ``tokenizers`` library, with the `Tokenizer`
+contract: special tokens only where asked for (`HFTokenizer`), and streams of whole characters
+whose deltas joined equal ``decode`` (`HFStream`).
 """
 
 from __future__ import annotations
@@ -56,7 +44,14 @@ def _decoders(node: Any) -> list[dict[str, Any]]:
 
 
 class HFTokenizer:
-    """A ``tokenizer.json`` tokenizer (byte-level BPE, Metaspace/byte-fallback, ...)."""
+    """A ``tokenizer.json`` tokenizer (byte-level BPE, Metaspace/byte-fallback, ...).
+
+    Encoding: ``add_special_tokens=False`` always (BOS/EOS are the engine's and the chat template's
+    business, never the post-processor's), and the library's ``encode_special_tokens`` switch on for
+    plain text, so text spelling a special token (``<|im_end|>``) is split into ordinary pieces like
+    any other text. Added tokens that are not special (Qwen's ``<think>``) are matched either way,
+    as the library and transformers do.
+    """
 
     kind = "huggingface"
 
@@ -179,7 +174,16 @@ class HFTokenizer:
 
 
 class HFStream:
-    """Text deltas from ids by re-decoding a short window; whole characters only."""
+    """Text deltas from ids by re-decoding a short window; whole characters only.
+
+    Decoding is the library's own ``decode(..., skip_special_tokens=True)``. Streaming uses the
+    prefix/read-offset technique (as text-generation-inference and vLLM do): each new id decodes a
+    short window of the latest ids, and the text past the window's earlier part is emitted once it
+    does not end in U+FFFD (an incomplete UTF-8 sequence from byte-level or byte-fallback pieces).
+    Every delta therefore holds whole characters, and the deltas joined equal ``decode`` of all ids:
+    decoding the window twice from the same start makes decoders that treat the first token
+    specially (Metaspace's leading space, ``Strip``) agree with themselves.
+    """
 
     def __init__(self, tokenizer: HFTokenizer) -> None:
         self._tok = tokenizer

@@ -1,12 +1,6 @@
-"""`load_tokenizer`: the tokenizer kind a file is, by its name.
-
-* ``tokenizer.model``: SentencePiece (`agent.tokenizer.sentencepiece`), as the demo model and
-  Gemma ship it.
-* ``tokenizer.json``: Hugging Face ``tokenizers`` (`agent.tokenizer.hf`): byte-level
-  BPE (Qwen, Llama 3, SmolLM2, Phi-4, DeepSeek-distill) or Metaspace with byte fallback.
-
-The interface both honour, and the ``tokenizer_config.json`` beside them, are
-`agent.tokenizer.base`. Each kind is imported only when a file of its kind is loaded.
+"""`load_tokenizer`: the tokenizer kind a file is, by its name: ``tokenizer.model`` is
+SentencePiece, ``tokenizer.json`` Hugging Face ``tokenizers``. Each kind is imported only when
+a file of its kind is loaded; the interface: `agent.tokenizer.base`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """The daemon's side of the fleet: health on the tick, events to the outbox, commands to the
-daemon. A thin adapter between `Daemon` (through the `FleetBackend` protocol) and `FleetLink`.
-
-Commands run on the daemon's event loop, at most `MAX_COMMANDS` at once:
-  ping    → Pong (time, session)
-  status  → a fresh Health
-  reload  → what SIGHUP does; answered when the reload has finished, and recorded as an event
-  update  → a signed manifest (docs/UPDATES.md): answered when accepted or rejected
-  cancel  → a signed cancel of the update in progress: answered once it has ended
+daemon. A thin adapter between `Daemon` (through the `FleetBackend` protocol) and `FleetLink`;
+the commands: `FleetAgent`.
 """
 
 from __future__ import annotations
@@ -69,6 +63,16 @@ def resolve_device_id(fleet: FleetConfig, machine_id: Path = MACHINE_ID) -> str:
 
 
 class FleetAgent:
+    """Health, events and commands between the daemon and the link. Commands run on the
+    daemon's event loop, at most `MAX_COMMANDS` at once::
+
+      ping    → Pong (time, session)
+      status  → a fresh Health
+      reload  → what SIGHUP does; answered when the reload has finished, recorded as an event
+      update  → a signed manifest (docs/UPDATES.md): answered when accepted or rejected
+      cancel  → a signed cancel of the update in progress: answered once it has ended
+    """
+
     def __init__(
         self,
         config: FleetConfig,

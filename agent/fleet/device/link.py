@@ -1,20 +1,6 @@
 """The agent's MQTT connection, on its own thread, so that nothing in the daemon ever waits for
-the broker.
-
-* Connect, and reconnect after any failure, with jittered exponential backoff (1 s doubling up
-  to 2 min). Every connect is a new *session number* (persisted, so it grows across restarts):
-  the Last Will ("lost") is set with it before connecting and the birth ("online") carries it.
-* MQTT 5 persistent session (clean start off, bounded expiry): commands sent while we were away
-  are delivered when we are back, for as long as the broker keeps the session.
-* Health is coalesced: callers hand over the latest snapshot; only the newest one is published,
-  when connected. Nothing accumulates while the broker is unreachable.
-* Events come from the on-disk `Outbox`, one in flight at a time, acknowledged (deleted) only
-  on PUBACK: in order and none lost across a disconnect or a restart.
-* Commands arrive on this thread and are handed to `on_command` with a `reply` callable that
-  any thread may call.
-* Everything goes out in `opts.encoding` (protobuf or its JSON mapping) with MQTT 5's
-  Content-Type and Payload Format Indicator; commands and blocks are read in either encoding
-  (`agent.fleet.codec`).
+the broker: reconnects with backoff, a persistent session, coalesced health and events that
+leave the outbox only on PUBACK (`FleetLink`).
 """
 
 from __future__ import annotations
@@ -109,6 +95,25 @@ CommandHandler = Callable[[str, fpb.Command, Reply], None]
 
 
 class FleetLink:
+    """The MQTT client on its own thread:
+
+    * Connect, and reconnect after any failure, with jittered exponential backoff (1 s doubling
+      up to 2 min). Every connect is a new *session number* (persisted, so it grows across
+      restarts): the Last Will ("lost") is set with it before connecting and the birth
+      ("online") carries it.
+    * MQTT 5 persistent session (clean start off, bounded expiry): commands sent while we were
+      away are delivered when we are back, for as long as the broker keeps the session.
+    * Health is coalesced: callers hand over the latest snapshot; only the newest one is
+      published, when connected. Nothing accumulates while the broker is unreachable.
+    * Events come from the on-disk `Outbox`, one in flight at a time, acknowledged (deleted) only
+      on PUBACK: in order and none lost across a disconnect or a restart.
+    * Commands arrive on this thread and are handed to `on_command` with a `reply` callable that
+      any thread may call.
+    * Everything goes out in `opts.encoding` (protobuf or its JSON mapping) with MQTT 5's
+      Content-Type and Payload Format Indicator; commands and blocks are read in either encoding
+      (`agent.fleet.codec`).
+    """
+
     def __init__(
         self,
         opts: MqttOptions,

@@ -1,19 +1,5 @@
-"""Events the operator must not miss, kept on disk until the broker has acknowledged them.
-
-One file per event, named by its zero-padded seq (``000000000042.event``, the serialized
-`Event`), written with `atomic_write`; the last seq given out is kept in ``last_seq`` so that
-seqs keep increasing across restarts even when every event was delivered and deleted. At most
-`max_items` events wait: beyond that the oldest is dropped (a long outage must not fill the
-disk). When the disk refuses a write the event waits in memory (counted in the same bound) and
-goes to disk with the next write that succeeds.
-
-An event may carry an idempotency `key`: an event whose key the outbox has already taken is not
-recorded again (`append` returns None), so a report that is re-derived after a crash — the
-updater re-reports its record's state at every start — is recorded once. The last `MAX_KEYS`
-keys are kept in ``keys`` (written after the event file, so a crash between the two leaves the
-key in the event file, where the next start finds it).
-
-`append` runs on the event loop, `peek` and `ack` on the MQTT network thread: one lock.
+"""Events the operator must not miss, kept on disk until the broker has acknowledged them:
+bounded, in order across restarts, and recorded once per idempotency key (`Outbox`).
 """
 
 from __future__ import annotations
@@ -48,7 +34,23 @@ def event_name(seq: int) -> str:
 
 
 class Outbox:
-    """Undelivered events in seq order, on disk where the disk allows."""
+    """Undelivered events in seq order, on disk where the disk allows.
+
+    One file per event, named by its zero-padded seq (``000000000042.event``, the serialized
+    `Event`), written with `atomic_write`; the last seq given out is kept in ``last_seq`` so that
+    seqs keep increasing across restarts even when every event was delivered and deleted. At most
+    `max_items` events wait: beyond that the oldest is dropped (a long outage must not fill the
+    disk). When the disk refuses a write the event waits in memory (counted in the same bound) and
+    goes to disk with the next write that succeeds.
+
+    An event may carry an idempotency `key`: an event whose key the outbox has already taken is not
+    recorded again (`append` returns None), so a report that is re-derived after a crash — the
+    updater re-reports its record's state at every start — is recorded once. The last `MAX_KEYS`
+    keys are kept in ``keys`` (written after the event file, so a crash between the two leaves the
+    key in the event file, where the next start finds it).
+
+    `append` runs on the event loop, `peek` and `ack` on the MQTT network thread: one lock.
+    """
 
     def __init__(self, directory: Path, max_items: int) -> None:
         if max_items < 1:

@@ -1,26 +1,7 @@
 """`.litertlm` bundles (LiteRT-LM's format): read the header and pick the sections a text LLM
-needs (`agent.model.litertlm.cache` turns them into a `ModelMeta`, as if the bundle were a
-model directory).
-
-A bundle is a 32-byte preamble (``LITERTLM``, version, header end offset), a FlatBuffers
-header (`litert_lm_builder`'s ``litertlm_header_schema``: system metadata and one entry per
-section with its data type, byte range and key/value items such as ``model_type``) and the
-sections, each starting on a 16 KiB boundary. Used here: the ``TFLiteModel`` section whose
-``model_type`` is ``prefill_decode`` (and that does not require an NPU), the tokenizer
-(``SP_Tokenizer``: a SentencePiece model; ``HF_Tokenizer_Zlib``: an 8-byte little-endian size
-and a zlib-compressed ``tokenizer.json``) and ``LlmMetadataProto`` (litert-lm-builder's
-``LlmMetadata`` protobuf: start and stop tokens, a Jinja template or per-role prefix/suffix
-templates, sampler parameters, max tokens). Every other section (vision and audio models,
-the MTP drafter, NPU-only models, embedders) is listed by ``model inspect`` and ignored, with
-one log line when the bundle is opened.
-
-Decision: the sections are **extracted once into a cache directory**, not run in place.
-ai-edge-litert's in-memory entry points (``CompiledModel.from_buffer``,
-``Interpreter(model_content=...)``) accept only ``bytes`` (a memoryview or an mmap is a
-``TypeError``), so running in place would copy the whole model section into anonymous
-process memory instead of mapping file pages, and the rest of the loader (sha256 check,
-prepared copies, parse cache, XNNPACK weight cache) is keyed on a file path and its sha256.
-Where and how: `agent.model.litertlm.cache`.
+needs, which `agent.model.litertlm.cache` extracts once into a cache rather than running them
+in place: ai-edge-litert's in-memory entry points take only ``bytes`` (a copy of the whole
+model in anonymous memory), and the loader's checks and caches are keyed on a file path.
 """
 
 from __future__ import annotations
@@ -148,7 +129,20 @@ Header = tuple[int, tuple[int, int, int], tuple[tuple[str, Any], ...], tuple[Sec
 
 def read_header(path: Path) -> Header:
     """(file size, format version, system metadata, sections) of a bundle, checked: the
-    magic, a version this reader knows, and every section inside the file after the header."""
+    magic, a version this reader knows, and every section inside the file after the header.
+
+    A bundle is a 32-byte preamble (``LITERTLM``, version, header end offset), a FlatBuffers header
+    (`litert_lm_builder`'s ``litertlm_header_schema``: system metadata and one entry per section
+    with its data type, byte range and key/value items such as ``model_type``) and the sections,
+    each starting on a 16 KiB boundary. Used here: the ``TFLiteModel`` section whose ``model_type``
+    is ``prefill_decode`` (and that does not require an NPU), the tokenizer (``SP_Tokenizer``: a
+    SentencePiece model; ``HF_Tokenizer_Zlib``: an 8-byte little-endian size and a zlib-compressed
+    ``tokenizer.json``) and ``LlmMetadataProto`` (litert-lm-builder's ``LlmMetadata`` protobuf:
+    start and stop tokens, a Jinja template or per-role prefix/suffix templates, sampler parameters,
+    max tokens). Every other section (vision and audio models, the MTP drafter, NPU-only models,
+    embedders) is listed by ``model inspect`` and ignored, with one log line when the bundle is
+    opened.
+    """
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size

@@ -1,16 +1,6 @@
-"""The cache `.litertlm` bundles are extracted into (`agent.model.litertlm.bundle` says why they
-are extracted rather than run in place), and `open_litertlm`, which gives a bundle's
-`ModelMeta`.
-
-The cache holds ``<sha256 of the section>.tflite`` and ``tokenizers/<sha256>/tokenizer.json``
-(or ``tokenizer.model``), written through a temp file, fsync and rename, so a start that dies
-half-way leaves nothing that a later start trusts; the engine checks the model file's sha256
-before every load, as for a model directory. What the bundle's sections hash to is kept in
-``bundles/<hash of the path>.json`` with the bundle's size, modification time and inode, so a
-later start of the same file reads only its header (and its model once, in the sha256 check).
-An extraction removes what bundles that no longer exist (or changed) left there, so updating
-a bundle in place does not pile up copies. The cache is ``litertlm/`` beside the profile's
-``xnnpack_weight_cache_dir`` (`agent.model.directory.unpack_cache_dir`).
+"""The cache `.litertlm` bundles are extracted into, and `open_litertlm`, which gives a bundle's
+`ModelMeta`: content-addressed files written atomically, so a start that dies half-way leaves
+nothing a later start trusts, and a later start of the same bundle reads only its header.
 """
 
 from __future__ import annotations
@@ -160,7 +150,18 @@ def _mtime(path: Path) -> float:
 
 def open_litertlm(path: Path, cache: Path) -> ModelMeta:
     """A `ModelMeta` for a `.litertlm` bundle, its model and tokenizer extracted into `cache`
-    (once; reused while the bundle is unchanged)."""
+    (once; reused while the bundle is unchanged).
+
+    The cache holds ``<sha256 of the section>.tflite`` and ``tokenizers/<sha256>/tokenizer.json``
+    (or ``tokenizer.model``), written through a temp file, fsync and rename, so a start that dies
+    half-way leaves nothing that a later start trusts; the engine checks the model file's sha256
+    before every load, as for a model directory. What the bundle's sections hash to is kept in
+    ``bundles/<hash of the path>.json`` with the bundle's size, modification time and inode, so a
+    later start of the same file reads only its header (and its model once, in the sha256 check). An
+    extraction removes what bundles that no longer exist (or changed) left there, so updating a
+    bundle in place does not pile up copies. The cache is ``litertlm/`` beside the profile's
+    ``xnnpack_weight_cache_dir`` (`agent.model.directory.unpack_cache_dir`).
+    """
     from agent.model.litertlm.metadata import read_llm_metadata, resolve
 
     bundle = read_bundle(path)

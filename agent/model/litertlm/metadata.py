@@ -1,14 +1,6 @@
 """LiteRT-LM's ``LlmMetadata`` (a `.litertlm` bundle's ``LlmMetadataProto`` section) turned into
 what a `ModelMeta` records: start and stop token ids, the chat template, sampler defaults.
-
-The protobuf is litert-lm-builder's generated ``llm_metadata_pb2``. Tokens are given either as
-ids or as text (resolved through the bundle's own tokenizer, `agent.tokenizer.vocab`). A chat
-template is either Jinja (``jinja_prompt_template``, used as it is) or per-role prefix/suffix
-pairs (``prompt_templates``), which are written here as the equivalent Jinja template: the
-BOS token first (when the bundle has a start token), then ``system``/``user``/``model`` prefix
-+ content + suffix per message, the model's prefix as the generation prompt — what LiteRT-LM
-does with them. The affixes become Jinja string literals
-(every character outside printable ASCII escaped), so no affix text is ever read as Jinja.
+Per-role prefix/suffix templates become the equivalent Jinja template (`affix_template`).
 """
 
 from __future__ import annotations
@@ -115,7 +107,17 @@ def _sampler(params: Any) -> tuple[tuple[str, float], ...]:
 
 
 def parse_llm_metadata(data: bytes, where: str) -> LlmInfo:
-    """Parse an ``LlmMetadata`` protobuf; `where` names it in errors."""
+    """Parse an ``LlmMetadata`` protobuf; `where` names it in errors.
+
+    The protobuf is litert-lm-builder's generated ``llm_metadata_pb2``. Tokens are given either as
+    ids or as text (resolved through the bundle's own tokenizer, `agent.tokenizer.vocab`). A chat
+    template is either Jinja (``jinja_prompt_template``, used as it is) or per-role prefix/suffix
+    pairs (``prompt_templates``), which are written here as the equivalent Jinja template: the BOS
+    token first (when the bundle has a start token), then ``system``/``user``/``model`` prefix +
+    content + suffix per message, the model's prefix as the generation prompt — what LiteRT-LM does
+    with them. The affixes become Jinja string literals (every character outside printable ASCII
+    escaped), so no affix text is ever read as Jinja.
+    """
     from google.protobuf.message import DecodeError
     from litert_lm_builder.runtime.proto import llm_metadata_pb2
 

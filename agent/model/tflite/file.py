@@ -1,12 +1,7 @@
 """Read a `.tflite` file's structure without running it: signatures, tensors, ops, weights
-(the types: `agent.model.tflite.info`).
-
-Used by ``edge-agent model inspect``, by the runtime's memory accounting and by the
-fused-graph check. The reading itself is `agent.model.tflite.parse` (the flatbuffer through
-LiteRT's schema module). It takes ~1 s for a SmolLM-135M-shaped graph in Python (tens of
-thousands of tensors through the generated accessors), so the runtime keeps what it read
-beside the packed weights (``cache``): later starts of the same file read a few kilobytes of
-JSON, and import neither the parser nor the schema module (~6 MiB of RSS).
+(the types: `agent.model.tflite.info`), for ``model inspect``, memory accounting and the
+fused-graph check. Reading a large graph is slow in Python, so the runtime keeps what it read
+beside the packed weights (``cache``) and later starts read that instead.
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
-"""Recognise the generative-export layout of a `.tflite` LLM from its signatures.
-
-The format (litert-torch's generative converter, the litert-community "ekv" models): one
-``decode`` signature and one or more ``prefill_<N>`` signatures; inputs ``tokens`` [1, N] int32,
-``input_pos`` [N] int32, optional ``mask``, and per layer ``kv_cache_k_<i>`` / ``kv_cache_v_<i>``
-that come back updated as outputs of the same name; ``decode`` also outputs ``logits``
-[1, 1, vocab].
-
-KV layouts: *default* K and V are [1, kv_max, kv_heads, head_dim]; *transposed* K is
-[1, kv_heads, kv_max, head_dim] and V is [1, kv_heads, head_dim, kv_max].
-
-KV windows (optional): ``kv<L>_decode`` and ``kv<L>_prefill_<N>`` are the same model over a
-shorter KV length L (see `agent.toolchain.export`). Each window, and the full length, is a
-`Window`: its own signatures and KV shapes.
-
-Verify signatures (optional): ``verify_<N>`` (``kv<L>_verify_<N>`` in a window, and a plain
-``verify``, LiteRT-LM's name, whose N is its tokens' length) take N tokens like a prefill and
-also output ``logits`` [1, N, vocab], one row per position: what speculative decoding checks
-N-1 drafted tokens with. They are never part of a prefill plan.
+"""Recognise the generative-export layout of a `.tflite` LLM from its signatures (litert-torch's
+generative converter, the litert-community "ekv" models): prefill, decode, optional KV windows
+and verify signatures, and the KV layout. The naming rules: `discover_layout`.
 """
 
 from __future__ import annotations
@@ -221,7 +205,26 @@ def _signature(sig: SignatureIO, length_hint: int | None) -> Signature:
 
 
 def discover_layout(model: ModelFile, context_length: int | None = None) -> ModelLayout:
-    """Find the decode/prefill signatures, KV layout and vocabulary of an exported LLM."""
+    """Find the decode/prefill signatures, KV layout and vocabulary of an exported LLM.
+
+    The format (litert-torch's generative converter, the litert-community "ekv" models): one
+    ``decode`` signature and one or more ``prefill_<N>`` signatures; inputs ``tokens`` [1, N] int32,
+    ``input_pos`` [N] int32, optional ``mask``, and per layer ``kv_cache_k_<i>`` /
+    ``kv_cache_v_<i>`` that come back updated as outputs of the same name; ``decode`` also outputs
+    ``logits`` [1, 1, vocab].
+
+    KV layouts: *default* K and V are [1, kv_max, kv_heads, head_dim]; *transposed* K is [1,
+    kv_heads, kv_max, head_dim] and V is [1, kv_heads, head_dim, kv_max].
+
+    KV windows (optional): ``kv<L>_decode`` and ``kv<L>_prefill_<N>`` are the same model over a
+    shorter KV length L (see `agent.toolchain.export`). Each window, and the full length, is a
+    `Window`: its own signatures and KV shapes.
+
+    Verify signatures (optional): ``verify_<N>`` (``kv<L>_verify_<N>`` in a window, and a plain
+    ``verify``, LiteRT-LM's name, whose N is its tokens' length) take N tokens like a prefill and
+    also output ``logits`` [1, N, vocab], one row per position: what speculative decoding checks N-1
+    drafted tokens with. They are never part of a prefill plan.
+    """
     by_key = {s.key: s for s in model.signatures}
     found = sorted(by_key) or ["no signatures"]
     if "decode" not in by_key:

@@ -1,17 +1,6 @@
-"""Ed25519 key files for signing model updates and the device's pinned trusted keys.
-
-* Private key: PEM, PKCS#8, unencrypted, mode 0600 (``NAME.key``). Keep it off the devices.
-* Public key: one line of text (``NAME.pub``)::
-
-      ed25519 <base64 of the raw 32-byte key> <comment>
-
-  Lines that are empty or start with ``#`` are ignored; exactly one key line per file.
-* Key id: the first 16 hex digits of sha256 of the raw 32-byte public key; signatures name the
-  key they were made with by this id.
-
-The device trusts every ``*.pub`` in its keys directory (default ``/etc/edge-agent/keys``).
-Two or more files may be there at once, which is how a key is rotated: ship the new public key,
-sign with both for a while, then remove the old one.
+"""Ed25519 key files for signing model updates and the device's pinned trusted keys. A device
+trusts every ``*.pub`` in its keys directory, which is how a key is rotated (docs/UPDATES.md).
+The file formats: `parse_public`, `load_trusted`.
 """
 
 from __future__ import annotations
@@ -58,7 +47,17 @@ def public_line(public_key: Ed25519PublicKey, comment: str = "") -> str:
 
 
 def parse_public(text: str, where: str) -> Ed25519PublicKey:
-    """Parse the text of a ``.pub`` file; `where` names it in errors."""
+    """Parse the text of a ``.pub`` file; `where` names it in errors.
+
+    * Private key: PEM, PKCS#8, unencrypted, mode 0600 (``NAME.key``). Keep it off the devices.
+    * Public key: one line of text (``NAME.pub``)::
+
+          ed25519 <base64 of the raw 32-byte key> <comment>
+
+      Lines that are empty or start with ``#`` are ignored; exactly one key line per file.
+    * Key id: the first 16 hex digits of sha256 of the raw 32-byte public key; signatures name the
+      key they were made with by this id.
+    """
     lines = [ln.strip() for ln in text.splitlines()]
     lines = [ln for ln in lines if ln and not ln.startswith("#")]
     if len(lines) != 1:
@@ -140,6 +139,10 @@ def load_trusted(directory: Path = DEFAULT_KEYS_DIR) -> dict[str, Ed25519PublicK
 
     A missing or empty directory gives no keys (every update is then rejected as not signed by
     a trusted key); a malformed file is an error naming it.
+
+    The device trusts every ``*.pub`` in its keys directory (default ``/etc/edge-agent/keys``). Two
+    or more files may be there at once, which is how a key is rotated: ship the new public key, sign
+    with both for a while, then remove the old one.
     """
     if not directory.is_dir():
         if directory.exists():

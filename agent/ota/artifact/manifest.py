@@ -1,13 +1,6 @@
-"""Update manifests: what an update is, and the checks before an install.
-
-A `Manifest` (proto/edge_agent/ota/v1/ota.proto) says what an update is: the model and its
-monotonic version, every file of the model directory after the update (sha256, size, the base
-file it is rebuilt from), the base variant it applies to, the payload (sha256, size, format),
-its validity window, what it is compatible with, and an optional canary.
-
-Its signatures are checked first (`agent.ota.artifact.signing.verify`); `check` then decides whether
-this device may install the update; every refusal is an `UpdateRejected` with a stable short
-`code` (see `CODES`) and a message for people.
+"""Update manifests (proto/edge_agent/ota/v1/ota.proto): what an update is, and the checks
+before an install. After the signatures (`agent.ota.artifact.signing.verify`), `check` decides
+whether this device may install it; every refusal is an `UpdateRejected` with a stable `code`.
 """
 
 from __future__ import annotations
@@ -240,6 +233,11 @@ def check(manifest: opb.Manifest, ctx: InstallContext, now: float | None) -> Non
     wall clock is not synchronized, and the validity window is left to `check_times` later).
 
     Verify the signature first (`verify`); this only judges the content.
+
+    A `Manifest` (proto/edge_agent/ota/v1/ota.proto) says what an update is: the model and its
+    monotonic version, every file of the model directory after the update (sha256, size, the base
+    file it is rebuilt from), the base variant it applies to, the payload (sha256, size, format),
+    its validity window, what it is compatible with, and an optional canary.
     """
     m = manifest
     check_consistent(m, ctx.max_payload_bytes)

@@ -1,14 +1,7 @@
-"""Model-aware update deltas (``ea-delta-1``): make them, read their header, apply them.
-
-A delta rebuilds every file of a new model directory from the files of a base one. A `.tflite`
-is diffed per tensor buffer: unchanged buffers (matched by content, wherever they moved) are
-COPYs of the base file, changed ones are zstd DATA, or encoded against the base buffer of the
-same tensor (PATCH: zstd with the base buffer as dictionary; ADD: the byte-wise difference,
-tiny when a fine-tune nudges int8 weights), whichever is smallest. Other files (tokenizer,
-metadata) and `.tflite` files that do not parse are diffed whole the same way. Applying streams
-(see `agent.ota.delta.apply`), checks the base's sha256 before use and each rebuilt file's
-size and sha256, and renames the outputs into place only when everything checked out.
-The container layout is in `agent.ota.delta.format`.
+"""Model-aware update deltas (``ea-delta-1``): make them, read their header, apply them. A
+`.tflite` is diffed per tensor buffer, so a fine-tune's delta holds only what changed; applying
+checks every sha256 and moves outputs into place only when all checked out. The container:
+`agent.ota.delta.format`.
 """
 
 from __future__ import annotations
@@ -191,6 +184,16 @@ def diff_dirs(base: Path, new: Path, out: Path, *, level: int = DEFAULT_LEVEL) -
     """Write to `out` a delta that rebuilds every file of model directory `new` from `base`.
 
     Files only in `base` are not carried. `level` is the zstd level (1-22).
+
+    A delta rebuilds every file of a new model directory from the files of a base one. A `.tflite`
+    is diffed per tensor buffer: unchanged buffers (matched by content, wherever they moved) are
+    COPYs of the base file, changed ones are zstd DATA, or encoded against the base buffer of the
+    same tensor (PATCH: zstd with the base buffer as dictionary; ADD: the byte-wise difference, tiny
+    when a fine-tune nudges int8 weights), whichever is smallest. Other files (tokenizer, metadata)
+    and `.tflite` files that do not parse are diffed whole the same way. Applying streams (see
+    `agent.ota.delta.apply`), checks the base's sha256 before use and each rebuilt file's size and
+    sha256, and renames the outputs into place only when everything checked out. The container
+    layout is in `agent.ota.delta.format`.
     """
     bases = _files(base)
     pairs = [_Pair(n, p, _pick_base(n, p, bases)) for n, p in _files(new).items()]

@@ -1,27 +1,5 @@
-"""The ``ea-delta-1`` container: header, op encoding and trailer (no diffing, no patching).
-
-Layout (integers little-endian)::
-
-    MAGIC                      b"ea-delta-1\\n"
-    u32 header length N
-    N bytes header             UTF-8 JSON {"format": "ea-delta-1", "files": [entry, ...]}
-    32 bytes                   sha256(MAGIC + u32 + header)
-    per file, in header order: an op stream, ended by an END op
-    END_MAGIC                  b"ea-delta-end"
-    32 bytes                   sha256 of every byte before these 32
-
-An entry is ``{"name", "size", "sha256", "base", "base_size", "base_sha256", "method"}``;
-``base`` is "" when the file is carried whole (then "base_size" is 0 and "base_sha256" "").
-
-Ops (one kind byte, then u64 fields; ``payload`` is one zstd frame of ``payload_len`` bytes)::
-
-    END   0x00
-    COPY  0x01 base_off, length                      the base file's bytes
-    DATA  0x02 length, payload_len, payload          zstd of the bytes
-    PATCH 0x03 base_off, base_len, length, payload_len, payload
-               zstd of the bytes with base[base_off:+base_len] as raw-content dictionary
-    ADD   0x04 base_off, length, payload_len, payload
-               zstd of (new - base[base_off:+length]) mod 256, byte by byte
+"""The ``ea-delta-1`` container: header, op encoding and trailer (no diffing, no patching). The
+layout: `encode_header`; the ops: `encode_op`.
 """
 
 from __future__ import annotations
@@ -70,7 +48,21 @@ class DeltaEntry:
 
 
 def encode_header(entries: list[DeltaEntry]) -> bytes:
-    """MAGIC, length, JSON header and its sha256."""
+    """MAGIC, length, JSON header and its sha256.
+
+    Layout (integers little-endian)::
+
+        MAGIC                      b"ea-delta-1\\n"
+        u32 header length N
+        N bytes header             UTF-8 JSON {"format": "ea-delta-1", "files": [entry, ...]}
+        32 bytes                   sha256(MAGIC + u32 + header)
+        per file, in header order: an op stream, ended by an END op
+        END_MAGIC                  b"ea-delta-end"
+        32 bytes                   sha256 of every byte before these 32
+
+    An entry is ``{"name", "size", "sha256", "base", "base_size", "base_sha256", "method"}``;
+    ``base`` is "" when the file is carried whole (then "base_size" is 0 and "base_sha256" "").
+    """
     doc = {
         "format": FORMAT,
         "files": [
@@ -149,7 +141,18 @@ def _entry(raw: dict[str, Any]) -> DeltaEntry:
 
 
 def encode_op(kind: int, *fields: int) -> bytes:
-    """The op's kind byte and u64 fields (a payload, if any, follows)."""
+    """The op's kind byte and u64 fields (a payload, if any, follows).
+
+    Ops (one kind byte, then u64 fields; ``payload`` is one zstd frame of ``payload_len`` bytes)::
+
+        END   0x00
+        COPY  0x01 base_off, length                      the base file's bytes
+        DATA  0x02 length, payload_len, payload          zstd of the bytes
+        PATCH 0x03 base_off, base_len, length, payload_len, payload
+                   zstd of the bytes with base[base_off:+base_len] as raw-content dictionary
+        ADD   0x04 base_off, length, payload_len, payload
+                   zstd of (new - base[base_off:+length]) mod 256, byte by byte
+    """
     return struct.pack(f"<B{len(fields)}Q", kind, *fields)
 
 

@@ -1,22 +1,6 @@
-"""The first-load check of what the runtime runs instead of a model file as it was exported.
-
-A prepared copy (composites inlined, KV windows added: `agent.runtime.prepare.inline`) or a link of
-the
-accelerator chain that runs the file differently from its reference path (``cpu``: LiteRT's
-builtin kernels, which run every composite through its decomposition subgraph) must compute
-what the original file computes. The reference is the original file on XNNPACK (a
-CompiledModel with the in-memory weight cache; on the Interpreter path, the classic Interpreter
-with its default delegate: bit-identical logits), which runs the
-``odml.scaled_dot_product_attention`` composite itself (measured here: it matches the float
-torch model to 0.000, while the composite's decomposition subgraph, exported by litert-torch
-for one KV head in the default KV layout, folds K's transpose into a RESHAPE and is off by up
-to 9.3 in the logits).
-
-`reference` runs a fixed prompt through the original file's shortest prefill signature and
-then a few decode steps, teacher-forced with its own greedy tokens; `compare` feeds the same
-tokens through a runner (the `Runner` protocol: new_kv, reserve, prefill, decode) and reports
-the first step whose logits differ by more than the file's tolerance. Both run only on a first
-load: the outcome is kept beside the prepared copy (`agent.runtime.prepare.model`).
+"""The first-load check of what the runtime runs instead of a model file as it was exported (a
+prepared copy, or an accelerator link that runs the file differently): it must compute what
+the original file computes on its reference path. The outcome is kept beside the prepared copy.
 """
 
 from __future__ import annotations
@@ -109,7 +93,19 @@ def _steps(runner: _Runs, prompt: list[int], feed: Sequence[int] | None) -> Prob
 
 def reference(runner: _Runs, model: ModelFile) -> Probe:
     """What the original file computes on the probe prompt (`runner` runs the original file
-    on the reference path)."""
+    on the reference path).
+
+    A prepared copy (composites inlined, KV windows added: `agent.runtime.prepare.inline`) or a link
+    of the accelerator chain that runs the file differently from its reference path (``cpu``:
+    LiteRT's builtin kernels, which run every composite through its decomposition subgraph) must
+    compute what the original file computes. The reference is the original file on XNNPACK (a
+    CompiledModel with the in-memory weight cache; on the Interpreter path, the classic Interpreter
+    with its default delegate: bit-identical logits), which runs the
+    ``odml.scaled_dot_product_attention`` composite itself: it matches the float torch model,
+    while the composite's decomposition subgraph, exported by litert-torch for one KV head in the
+    default KV layout, folds K's transpose into a RESHAPE and is far off in the logits
+    (docs/PERFORMANCE.md, "Notes from the code").
+    """
     p = _steps(runner, probe_prompt(runner.layout), None)
     bad = [i for i, lg in enumerate(p.logits) if not np.isfinite(lg).all()]
     if bad:
@@ -122,7 +118,14 @@ def reference(runner: _Runs, model: ModelFile) -> Probe:
 
 def compare(runner: _Runs, want: Probe) -> str | None:
     """Run `want`'s prompt and tokens through `runner`; the first difference beyond the
-    tolerance as text, or None. Failures of the runner itself are differences too."""
+    tolerance as text, or None. Failures of the runner itself are differences too.
+
+    `reference` runs a fixed prompt through the original file's shortest prefill signature and then
+    a few decode steps, teacher-forced with its own greedy tokens; `compare` feeds the same tokens
+    through a runner (the `Runner` protocol: new_kv, reserve, prefill, decode) and reports the first
+    step whose logits differ by more than the file's tolerance. Both run only on a first load: the
+    outcome is kept beside the prepared copy (`agent.runtime.prepare.model`).
+    """
     try:
         got = _steps(runner, list(want.prompt), want.tokens)
     except AgentError as exc:

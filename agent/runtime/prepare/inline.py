@@ -1,24 +1,7 @@
 """Prepare a model file for XNNPACK: inline its ``STABLEHLO_COMPOSITE`` ops into the graphs
-that call them, and add KV windows (`agent.runtime.prepare.windows`).
-
-A fused export wraps small patterns in composites (``odml.rms_norm``: 61 of them in a
-SmolLM-shaped decode graph) that keep their decomposition in a subgraph. XNNPACK cannot take
-a composite, so every one splits the delegated graph: measured here, the decode step of the
-SmolLM-shaped int8 model costs 6–10% more than with the same ops unfused (docs/PERFORMANCE.md).
-LiteRT-LM inlines composites when it compiles (a runtime option ai-edge-litert's Python API
-does not expose); this does the same to the file: each composite op is replaced by its
-decomposition's ops, its inputs and outputs wired to the caller's tensors, and the
-decomposition subgraphs are dropped. Weights are untouched: a large model's buffers live after
-the flatbuffer (offset/size), and are copied as one block with their offsets shifted.
-
-Not every composite is inlined: XNNPACK runs ``odml.scaled_dot_product_attention`` itself (it
-does not split the graph), and its decomposition is not always what the composite means.
-litert-torch exports it for one KV head in the default KV layout with K's transpose folded into
-a RESHAPE (``[1, kv, 1, d] -> [1, 1, d, kv]``), which reorders nothing: the decomposition is
-then off by up to 9.3 in the logits from the second position on, while XNNPACK running the
-composite matches the float torch model (measured here; docs/PERFORMANCE.md). Inlining it would
-make the copy compute something else, so it stays a composite (`KEPT_COMPOSITES`); every copy
-is also checked against the original file on its first load (`agent.runtime.prepare.check`).
+that call them (each composite splits XNNPACK's delegated graph), keep the attention composite
+XNNPACK runs itself, and add KV windows (`agent.runtime.prepare.windows`). Weights are copied
+as one block; every copy is checked on its first load (`agent.runtime.prepare.check`).
 """
 
 from __future__ import annotations
@@ -210,9 +193,27 @@ def prepare_file(
     of `kv_length`) to `dst`, atomically; nothing is written when nothing changes.
 
     Only the flatbuffer is read into memory; the copy is the original flatbuffer after a new
-    small one (`agent.runtime.prepare.overlay`), and the weights after it are copied from file to
-    file
-    in chunks, so a large model's first load does not hold it in memory twice.
+    small one (`agent.runtime.prepare.overlay`), and the weights after it are copied from file
+    to file in chunks, so a large model's first load does not hold it in memory twice.
+
+    A fused export wraps small patterns in composites (``odml.rms_norm``, dozens of them in a
+    decode graph) that keep their decomposition in a subgraph. XNNPACK cannot take a composite,
+    so every one splits the delegated graph and the decode step costs more than with the same
+    ops unfused (docs/PERFORMANCE.md).
+    LiteRT-LM inlines composites when it compiles (a runtime option ai-edge-litert's Python API does
+    not expose); this does the same to the file: each composite op is replaced by its
+    decomposition's ops, its inputs and outputs wired to the caller's tensors, and the decomposition
+    subgraphs are dropped. Weights are untouched: a large model's buffers live after the flatbuffer
+    (offset/size), and are copied as one block with their offsets shifted.
+
+    Not every composite is inlined: XNNPACK runs ``odml.scaled_dot_product_attention`` itself (it
+    does not split the graph), and its decomposition is not always what the composite means.
+    litert-torch exports it for one KV head in the default KV layout with K's transpose folded into
+    a RESHAPE (``[1, kv, 1, d] -> [1, 1, d, kv]``), which reorders nothing: the decomposition is
+    then far off in the logits from the second position on, while XNNPACK running the composite
+    matches the float torch model (docs/PERFORMANCE.md, "Notes from the code"). Inlining it would
+    make the copy compute something else, so it stays a composite (`KEPT_COMPOSITES`); every copy is
+    also checked against the original file on its first load (`agent.runtime.prepare.check`).
     """
     from agent.runtime.prepare.windows import WindowsRefused, add_windows
 

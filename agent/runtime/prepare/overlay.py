@@ -1,17 +1,6 @@
-"""A prepared copy written as an overlay on the original flatbuffer's bytes (`Overlay`).
-
-The copy the CPU path runs (`agent.runtime.prepare.inline`, `agent.runtime.prepare.windows`)
-changes a few
-tables of a model and adds some: the signature graphs get new operator lists, KV windows add
-graphs in which a few hundred tensors have new shapes. Everything else (the other tensors, their
-quantization tables, names, operator options, buffers, the decomposition graphs) is the same.
-So the copy is the original flatbuffer, unchanged, after a small new one: a new root table,
-the graphs and vectors that changed, and the new tables, whose references to unchanged tables
-point forward into the original's bytes (flatbuffer offsets are relative, so the original's
-tables stay valid wherever its bytes start). Nothing is unpacked into Python objects but what
-changes (unpacking and re-serialising the whole graph was ~1.6 s of a SmolLM-shaped first
-load, measured). The weights a large model stores after its flatbuffer follow, their absolute
-offsets shifted by a multiple of `ALIGN`.
+"""A prepared copy written as an overlay on the original flatbuffer's bytes (`Overlay`): a small
+new flatbuffer holding only the tables that changed, pointing forward into the original's
+unchanged bytes, so that nothing but what changes is unpacked into Python objects.
 """
 
 from __future__ import annotations
@@ -118,7 +107,20 @@ def vector(builder: Any, items: list[Any]) -> int:
 @dataclass(slots=True)
 class Overlay:
     """The model being prepared: the original's bytes (`buf`, its flatbuffer up to `end`) and
-    what the copy lists instead of the original's vectors."""
+    what the copy lists instead of the original's vectors.
+
+    The copy the CPU path runs (`agent.runtime.prepare.inline`, `agent.runtime.prepare.windows`)
+    changes a few tables of a model and adds some: the signature graphs get new operator lists, KV
+    windows add graphs in which a few hundred tensors have new shapes. Everything else (the other
+    tensors, their quantization tables, names, operator options, buffers, the decomposition graphs)
+    is the same. So the copy is the original flatbuffer, unchanged, after a small new one: a new
+    root table, the graphs and vectors that changed, and the new tables, whose references to
+    unchanged tables point forward into the original's bytes (flatbuffer offsets are relative, so
+    the original's tables stay valid wherever its bytes start). Nothing is unpacked into Python
+    objects but what changes (unpacking and re-serialising the whole graph is a large part of a
+    first load: docs/PERFORMANCE.md, "Notes from the code"). The weights a large model stores
+    after its flatbuffer follow, their absolute offsets shifted by a multiple of `ALIGN`.
+    """
 
     buf: Any
     end: int

@@ -1,26 +1,7 @@
-"""Give a single-length export KV windows at load time: its ``decode`` graph, one
-``prefill_<N>`` graph (two in a window of 512 rows or more:
-`agent.model.tflite.layout.window_prefills`)
-and its verify graphs cloned over shorter KV lengths, sharing every weight.
-
-A file exported with windows (`agent.toolchain.export`, ``decode_windows``) holds
-``kv<W>_decode`` and ``kv<W>_prefill_<N>`` beside the full-length signatures, and the runtime
-runs each cache in the smallest window that holds it: decode attention reads W rows instead of
-the whole KV length (docs/PERFORMANCE.md). Compared op by op, the converter's window graphs
-differ from the full-length ones only in the KV length L (SmolLM-135M shape, KV 1024 against
-256, decode and prefill): in tensor shapes, in the int32 shape operands of RESHAPE, and in the
-positional constant our export builds its causal mask from (an ``arange`` over the L positions,
-whose window copy holds the first W). Everything else, weights included, is the same. So a
-window is the full-length graph with L replaced by W in those places.
-
-Where L cannot be told apart from another quantity, the rewrite refuses rather than guesses:
-a quantized weight with a dimension equal to L (a model dimension that happens to equal the
-KV length), a long integer constant holding the value L, or an op that calls another graph
-(control flow, a composite left in place). Other constants with a dimension L are taken for
-positional tables (an ``arange``, a causal-mask cache, RoPE tables) and cut to their first W
-entries; a float weight taken for one by mistake makes a wrong graph, which the runtime's
-check on the first load finds (`RunnerBase.check_windows` compares every new signature with
-the full length) before the windows are used.
+"""Give a single-length export KV windows at load time: its decode, prefill and verify graphs
+cloned over shorter KV lengths, sharing every weight, so that a cache runs in the smallest
+window that holds it. The rewrite refuses where the KV length cannot be told apart from
+another quantity (`add_windows`).
 """
 
 from __future__ import annotations
@@ -268,7 +249,27 @@ def add_windows(
     ``kv<W>_verify_<N>`` for each verify signature shorter than W to `ov` (the copy being
     prepared, `agent.runtime.prepare.overlay`) for each W in `windows`; the windows added. `read`
     returns the bytes of a buffer stored after the flatbuffer (a large model's). Raises
-    `WindowsRefused` (nothing changed) when the graph cannot be rewritten safely."""
+    `WindowsRefused` (nothing changed) when the graph cannot be rewritten safely.
+
+    A file exported with windows (`agent.toolchain.export`, ``decode_windows``) holds
+    ``kv<W>_decode`` and ``kv<W>_prefill_<N>`` beside the full-length signatures, and the runtime
+    runs each cache in the smallest window that holds it: decode attention reads W rows instead of
+    the whole KV length (docs/PERFORMANCE.md). Compared op by op, the converter's window graphs
+    differ from the full-length ones only in the KV length L (SmolLM-135M shape, KV 1024 against
+    256, decode and prefill): in tensor shapes, in the int32 shape operands of RESHAPE, and in the
+    positional constant our export builds its causal mask from (an ``arange`` over the L positions,
+    whose window copy holds the first W). Everything else, weights included, is the same. So a
+    window is the full-length graph with L replaced by W in those places.
+
+    Where L cannot be told apart from another quantity, the rewrite refuses rather than guesses: a
+    quantized weight with a dimension equal to L (a model dimension that happens to equal the KV
+    length), a long integer constant holding the value L, or an op that calls another graph (control
+    flow, a composite left in place). Other constants with a dimension L are taken for positional
+    tables (an ``arange``, a causal-mask cache, RoPE tables) and cut to their first W entries; a
+    float weight taken for one by mistake makes a wrong graph, which the runtime's check on the
+    first load finds (`RunnerBase.check_windows` compares every new signature with the full length)
+    before the windows are used.
+    """
     windows = tuple(sorted(w for w in windows if 1 < w < length))
     if not windows:
         return ()
