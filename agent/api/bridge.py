@@ -58,8 +58,8 @@ class EventPipe(Generic[E]):
     request, or when `flush_at` events are waiting (the engine pauses a request whose consumer
     leaves `limits.max_pending_events` unread: the interval must not throttle a fast model);
     events in between wait for the loop's timer and go out together. Each gRPC message costs
-    the loop and a Python client ~1 ms of CPU whatever it holds, on a board whose cores the
-    model's threads also want (docs/PERFORMANCE.md). An interval of 0 takes what is there
+    the loop and a Python client CPU whatever it holds, on a board whose cores the model's
+    threads also want (docs/PERFORMANCE.md). An interval of 0 takes what is there
     whenever the loop is free. `first_alone`: the first batch is the first event alone,
     however late the loop wakes.
     """
@@ -114,9 +114,9 @@ class EventPipe(Generic[E]):
             self._ready.clear()
             self._woken = False
         batch = [self._items.popleft()]
-        # gRPC's first message is the first event alone: a fast model (the demo model
-        # speculating decodes 100 tokens in ~7 ms) may have finished before the loop woke for
-        # it, and its first token must still go out as it came, not merged with the whole answer
+        # gRPC's first message is the first event alone: a fast model may have finished
+        # before the loop woke for it, and its first token must still go out as it came, not
+        # merged with the whole answer
         alone = self._first_alone and not self._taken
         while not alone and self._items and batch[-1].finish_reason is None:
             batch.append(self._items.popleft())

@@ -1,7 +1,7 @@
 """Whether a loopback TCP address can be listened on, asked before the daemon loads anything.
 
-A busy port used to be found only when the listener bound it, after the model had loaded (tens
-of seconds on a board) and the unix socket had been bound. `check` binds a probe socket the way
+Found only when the listener binds, a busy port would cost a whole model load (tens of seconds
+on a board) and a bound unix socket first. `check` binds a probe socket the way
 the servers bind theirs (SO_REUSEADDR: a connection in TIME_WAIT is no obstacle, a listener is)
 and closes it at once. A port taken between this check and the real bind is still refused
 there, with the same words.

@@ -372,10 +372,9 @@ class Engine(SessionCalls, Stopping):
             for e in events:
                 sent = p.handle.emit(e) or sent
             if sent:
-                # A decode call holds the GIL, so the consumer thread this event woke waits
-                # for the interpreter's switch interval, or longer: measured on the demo
-                # model, the first event reached it 2-60 ms late (once at the end of 128
-                # tokens), and ~30 us late with this; sleep(0) lets it take the GIL now.
+                # A decode call holds the GIL, so the consumer thread this event woke would
+                # wait for the interpreter's switch interval or longer; sleep(0) lets it take
+                # the GIL now.
                 time.sleep(0)
             if sent or not events or gen.done or self._others():
                 return

@@ -21,8 +21,7 @@ probes fail, and waiting at least long enough that a failed probe's extra ``cN -
 `PROBE_BUDGET` of the decode time between probes: open-ended text stays within a few percent of
 plain decoding. When no verify call could pay even at full acceptance (a verify of N tokens
 costing more than N decode steps, as on the tiny test models) it never probes. Backing off
-costs the index update alone (1-3 us per token measured on a loaded 2-core x86 machine, against
-~150 us per demo-model decode step); a step with no draft, a few dict lookups more. A
+costs the drafter's index update alone, a small fraction of a decode step. A
 signature not measured yet (its first call pays lazy initialisation and is not counted) is
 assumed to cost what decode does, so it gets measured.
 """

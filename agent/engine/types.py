@@ -26,7 +26,7 @@ class EngineLimits:
     max_sessions: int = 64  # live sessions in all tiers; also caps the bound ones
     # A stream's tokens per event: the first token and the end go out at once, the tokens in
     # between together once this many wait or the interval has passed (RequestHandle). 1: an
-    # event per token. On the demo model a token takes ~0.15 ms and each event ~25 us more.
+    # event per token (each event costs more than a fast model's token).
     event_tokens: int = 16
     event_interval_s: float = 0.010
     # per client key (agent.engine.quotas); None: half of the shared bound it divides

@@ -41,8 +41,8 @@ DEFAULT_EXEC_START: Final = "/usr/bin/edge-agent run"
 
 # MemoryHigh = runtime.max_num_bytes + HEADROOM. max_num_bytes covers weights, runtime buffers and
 # the bound and host KV tiers; the headroom covers what it does not: the interpreter with numpy,
-# sentencepiece, grpcio and ai-edge-litert imported and a model open (~70 MiB RSS measured on
-# x86_64), the gRPC server's threads and in-flight messages, the MQTT client, and KV spill I/O.
+# sentencepiece, grpcio and ai-edge-litert imported and a model open, the gRPC server's
+# threads and in-flight messages, the MQTT client, and KV spill I/O (docs/SYSTEMD.md).
 HEADROOM: Final = 128 * MiB
 # MemoryMax = MemoryHigh + HARD_GAP: between the two the kernel throttles and reclaims (the
 # mmapped weights are clean page cache and can be dropped) instead of killing the daemon.
