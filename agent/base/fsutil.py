@@ -90,6 +90,28 @@ def ensure_last_level(path: Path, what: str, mode: int) -> None:
     log.info("created %s %s (mode %04o)", what, path, mode)
 
 
+def make_dirs(path: Path, mode: int = 0o777) -> None:
+    """``mkdir -p`` that survives a power cut: `path` with `mode` (its missing parents with
+    the default mode, as `Path.mkdir(parents=True)`), each level it creates synced into its
+    parent — until then a cut may take the new directory, and all that was written into it.
+    `path`'s own parent is synced even when nothing was created (a process that crashed
+    between its mkdir and the sync may have left it unsynced)."""
+    missing: list[Path] = []
+    level = path
+    while not level.is_dir() and level != level.parent:
+        missing.append(level)
+        level = level.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode if d == path else 0o777)
+        except FileExistsError:
+            if not d.is_dir():
+                raise
+        sync_dir(d.parent)
+    if not missing:
+        sync_dir(path.parent)
+
+
 def is_temp(name: str) -> bool:
     """True for the name of a temp file that `atomic_write` left behind."""
     return name.startswith(".") and name.endswith(TEMP_SUFFIX)

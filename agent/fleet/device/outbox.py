@@ -16,7 +16,7 @@ from typing import Final
 
 from google.protobuf.message import DecodeError
 
-from agent.base.fsutil import atomic_write_bytes, is_temp
+from agent.base.fsutil import atomic_write_bytes, is_temp, make_dirs
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class Outbox:
         # undelivered events of an earlier run, so this process keeps everything in memory.
         self._use_disk = True
         try:
-            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            make_dirs(self.dir, 0o700)
             self._scan()
         except OSError as exc:
             self._use_disk = self._disk_ok = False
