@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.base.fsutil import atomic_write_bytes
+from agent.base.fsutil import atomic_write_bytes, make_dirs
 from agent.model.directory import load_model_dir, sha256_file
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
@@ -51,7 +51,7 @@ class Installed:
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)  # synced into the state directory: a cut must not take ota/
     atomic_write_bytes(path, data)
 
 
