@@ -87,6 +87,7 @@ def ensure_last_level(path: Path, what: str, mode: int) -> None:
     except OSError as exc:
         raise HostError(f"{what} {path} cannot be created: {exc.strerror}") from exc
     os.chmod(path, mode)  # mkdir's mode goes through the umask
+    sync_dir(path.parent)  # until then a power cut may take the directory and all put in it
     log.info("created %s %s (mode %04o)", what, path, mode)
 
 
