@@ -38,6 +38,7 @@ TAG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:=/-]{0,127}")
 MAX_TAGS = 32
 MQTT_PROTOCOLS = ("5", "3.1.1")
 BROKER_FORMAT = "mqtt://HOST:PORT or mqtts://HOST:PORT (mqtts: TLS)"
+MAX_BROKERS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +74,8 @@ def check_device_id(device_id: str) -> str:
 class FleetConfig:
     """The MQTT fleet link (docs/FLEET.md). No broker: the fleet link is off."""
 
-    broker: Broker | None = None
+    broker: Broker | None = None  # the first broker tried
+    other_brokers: tuple[Broker, ...] = ()  # the rest of `broker = [...]`: failover, in order
     protocol: str = "5"  # "5" | "3.1.1" (old brokers)
     ca_file: Path | None = None  # TLS: the CA that signed the broker's certificate
     cert_file: Path | None = None  # mutual TLS: this device's certificate and key
@@ -114,9 +116,27 @@ def parse_broker(source: str, key: str, value: str) -> Broker:
     return Broker(host, int(port), tls)
 
 
+def parse_brokers(source: str, key: str, value: object) -> tuple[Broker, ...]:
+    """`broker = "mqtt://..."` or `broker = ["mqtt://a", "mqtt://b"]`: the nodes of one
+    cluster, tried in order (docs/FLEET.md, "Broker clusters"); at least one, no repeats."""
+    items = value if isinstance(value, list) else [value]
+    if not items or len(items) > MAX_BROKERS:
+        raise ConfigError(source, key, value, f"1 to {MAX_BROKERS} of {BROKER_FORMAT}")
+    brokers: list[Broker] = []
+    for i, item in enumerate(items):
+        where = f"{key}[{i}]" if isinstance(value, list) else key
+        if not isinstance(item, str):
+            raise ConfigError(source, where, item, BROKER_FORMAT)
+        broker = parse_broker(source, where, item)
+        if broker in brokers:
+            raise ConfigError(source, where, item, "each broker once")
+        brokers.append(broker)
+    return tuple(brokers)
+
+
 def parse_fleet(t: Table, source: str) -> FleetConfig:
     d = FleetConfig()
-    broker_text = t.optional_text("broker")
+    brokers = parse_brokers(source, "fleet.broker", t.raw["broker"]) if "broker" in t.raw else ()
     device = t.optional_text("device_id")
     if device is not None and not is_device_id(device):
         raise t.error("device_id", device, DEVICE_ID_RULE)
@@ -124,7 +144,8 @@ def parse_fleet(t: Table, source: str) -> FleetConfig:
     if any(c in prefix for c in "+#") or prefix.startswith("/") or prefix.endswith("/"):
         raise t.error("topic_prefix", prefix, "topic levels without wildcards, e.g. fleet/v1")
     fleet = FleetConfig(
-        broker=parse_broker(source, "fleet.broker", broker_text) if broker_text else None,
+        broker=brokers[0] if brokers else None,
+        other_brokers=brokers[1:],
         protocol=t.choice("protocol", MQTT_PROTOCOLS) if "protocol" in t.raw else d.protocol,
         ca_file=t.absolute_path("ca_file"),
         cert_file=t.absolute_path("cert_file"),

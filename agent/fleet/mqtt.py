@@ -38,9 +38,12 @@ M = TypeVar("M", bound=ProtoMessage)
 
 @dataclass(frozen=True, slots=True)
 class MqttOptions:
-    """How to reach the broker: the connection half of `FleetConfig`."""
+    """How to reach the broker: the connection half of `FleetConfig`. `other_brokers`: the
+    rest of a cluster's nodes, tried in order after `broker` (docs/FLEET.md, "Broker
+    clusters")."""
 
     broker: Broker
+    other_brokers: tuple[Broker, ...] = ()
     protocol: str = "5"
     ca_file: Path | None = None
     cert_file: Path | None = None
@@ -60,16 +63,23 @@ class MqttOptions:
     def v5(self) -> bool:
         return self.protocol == "5"
 
+    @property
+    def brokers(self) -> tuple[Broker, ...]:
+        """Every broker, the first one first."""
+        return (self.broker, *self.other_brokers)
+
     def to_pairs(self) -> tuple[tuple[str, str], ...]:
         """Every field as text (the broker as its URL, unset ones left out): what a rollout's
         state keeps so that `resume` connects as `start` did. No secret is in it: the password
         stays in its file."""
         out = [("broker", self.broker.url())]
+        if self.other_brokers:
+            out.append(("other_brokers", " ".join(b.url() for b in self.other_brokers)))
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, Path):
                 value = value.resolve()  # a resume may run from another directory
-            if f.name != "broker" and value is not None:
+            if f.name not in ("broker", "other_brokers") and value is not None:
                 out.append((f.name, str(value)))
         return tuple(out)
 
@@ -83,6 +93,10 @@ class MqttOptions:
         try:
             return cls(
                 broker=parse_broker(source, "broker", got["broker"]),
+                other_brokers=tuple(
+                    parse_broker(source, "other_brokers", url)
+                    for url in got.get("other_brokers", "").split()
+                ),
                 protocol=got.get("protocol", "5"),
                 keepalive_s=int(got.get("keepalive_s", "60")),
                 encoding=got.get("encoding", PROTOBUF),

@@ -266,7 +266,9 @@ def send(
     publish to), with a fresh requester id per call and random correlation data: MQTT 5
     properties, or the Command's reply_topic/correlation fields on 3.1.1. Anything else that
     arrives there is ignored. Raises FleetError if the broker cannot be reached or the device
-    does not answer within `timeout_s` (counted from the start, connecting included).
+    does not answer within `timeout_s` (counted from the start, connecting included). If the
+    connection is lost on the way, the command goes again through the first broker that
+    answers (`opts.brokers`: a cluster's other nodes).
     """
     try:
         check_device_id(device)
@@ -292,27 +294,37 @@ def send(
             answers.append(resp)
 
     deadline = time.monotonic() + timeout_s
-    link = _Link(opts, _client_id(requester), on_message)
-    try:
-        link.connect(deadline)
-        # the response topic first: the answer must not arrive before we listen
-        link.subscribe([(reply_topic, 1), (topics.state, 0)], deadline)
-        cmd = pb.Command(args=dict(args or {}), body=body)
-        if not opts.v5:
-            cmd.reply_topic, cmd.correlation = reply_topic, correlation
-        payload, props = outgoing(opts, cmd, response_topic=reply_topic, correlation=correlation)
-        link.publish(topics.command(command), payload, props, deadline)
-        log.info("sent %s to %s; waiting for the answer on %s", command, device, reply_topic)
+    cmd = pb.Command(args=dict(args or {}), body=body)
+    if not opts.v5:
+        cmd.reply_topic, cmd.correlation = reply_topic, correlation
+    payload, props = outgoing(opts, cmd, response_topic=reply_topic, correlation=correlation)
+    while True:
+        link = _Link(opts, _client_id(requester), on_message)
         try:
+            link.connect(deadline)
+            # the response topic first: the answer must not arrive before we listen
+            link.subscribe([(reply_topic, 1), (topics.state, 0)], deadline)
+            link.publish(topics.command(command), payload, props, deadline)
+            log.info("sent %s to %s; waiting for the answer on %s", command, device, reply_topic)
             link.pump_until(lambda: bool(answers), deadline)
+            return answers[0]
         except _Timeout as exc:
             raise FleetError(
                 f"device {device} did not answer {command} within {timeout_s:g} s; "
                 f"is it online? ({_last_state(states, prefix)})"
             ) from exc
-    finally:
-        link.close()
-    return answers[0]
+        except FleetError as exc:
+            # our broker node went away after we connected: send again through the next one
+            # that answers (the same correlation; an answer that was lost with the node is
+            # asked for again, so the command may run twice)
+            if link.connected_once and time.monotonic() < deadline and not answers:
+                log.warning("%s; sending %s again", exc, command)
+                continue
+            if answers:
+                return answers[0]
+            raise
+        finally:
+            link.close()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

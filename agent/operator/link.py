@@ -1,6 +1,8 @@
 """The operator's MQTT link: one connected, short-lived, non-persistent paho client driven from
 the calling thread (`client.loop`), so there is no network thread and nothing to lock: callbacks
 run inside `_Link.pump`. Foreign errors (socket, TLS, broker refusals) become `FleetError` here.
+With several brokers (a cluster's nodes) `connect` takes the first that answers, so every
+reconnect of the tools that hold a link (watch, send, a rollout) fails over to a live node.
 `agent.operator.client` (watch, send) and `agent.operator.publish` talk to the broker through it.
 """
 
@@ -18,6 +20,7 @@ from paho.mqtt.enums import MQTTErrorCode
 from paho.mqtt.reasoncodes import ReasonCode
 
 from agent.base.errors import AgentError
+from agent.config.fleet import Broker
 from agent.fleet.codec import PayloadError
 from agent.fleet.mqtt import MqttOptions, decode_message, new_client
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
@@ -80,6 +83,7 @@ class _Link:
         self._connack: ReasonCode | None = None
         self._gone: str | None = None
         self._error: str | None = None  # paho's first error log line: the socket/TLS reason
+        self.connected_once = False  # a CONNACK came: later errors are a lost connection
         self._subacks: dict[int, list[ReasonCode]] = {}
         self._pubacks: dict[int, ReasonCode] = {}
 
@@ -105,10 +109,29 @@ class _Link:
         self._pubacks[mid] = rc
 
     def connect(self, deadline: float) -> None:
-        """Open the connection and wait for the broker's CONNACK."""
+        """Connect to the first of `opts.brokers` that answers, each given an equal share of
+        the time left (a dead node refuses at once; a silent one costs its share)."""
+        brokers = self.opts.brokers
+        errors: list[FleetError] = []
+        for i, broker in enumerate(brokers):
+            left = len(brokers) - i
+            until = time.monotonic() + (deadline - time.monotonic()) / left
+            try:
+                self._connect(broker, deadline if left == 1 else until)
+                return
+            except FleetError as exc:
+                errors.append(exc)
+                if left > 1:
+                    log.warning("%s; trying %s", exc, brokers[i + 1].url())
+        if len(errors) == 1:
+            raise errors[0]
+        raise FleetError("no broker answered: " + "; ".join(str(e) for e in errors))
+
+    def _connect(self, b: Broker, deadline: float) -> None:
+        """Open the connection to `b` and wait for its CONNACK."""
+        self.url = b.url()
         self._connack, self._gone, self._error = None, None, None
         self.client.connect_timeout = max(0.1, deadline - time.monotonic())
-        b = self.opts.broker
         try:
             self.client.connect(b.host, b.port, keepalive=self.opts.keepalive_s)
         except ssl.SSLError as exc:
@@ -132,6 +155,7 @@ class _Link:
         assert self._connack is not None
         if self._connack.is_failure:
             raise FleetError(f"{self.url} refused the connection: {self._connack}")
+        self.connected_once = True
         log.info("connected to %s", self.url)
 
     def subscribe(self, filters: list[tuple[str, int]], deadline: float) -> None:

@@ -9,17 +9,27 @@ epmd on a free port, so that it touches nothing of a RabbitMQ installed as a ser
     broker.stop()                    # SIGTERM, then SIGKILL of whatever is left, and its epmd
 
 It offers the same `port`, `url` and `pki` (None: plain TCP) as tests/support/broker.py's Mosquitto.
+
+    cluster = RabbitCluster(tmp, 3)  # three nodes joined with `rabbitmqctl join_cluster`
+    cluster.urls, cluster.nodes[i].kill(), cluster.nodes[i].start(), cluster.stop()
+
+The nodes of a cluster share one epmd and one Erlang cookie, each with its own ports, node name
+and directories; session queues are mirrored to every node (the `ha-mqtt` policy) so that a
+persistent session outlives the node it was made on (docs/FLEET.md, "Broker clusters").
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,10 +37,29 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
-from tests.support.broker import Pki, free_port
+from tests.support.broker import Pki
 
 RABBITMQ_BIN = Path("/usr/lib/rabbitmq/bin")  # the Debian package's scripts (no user switch)
 EPMD = shutil.which("epmd") or "/usr/bin/epmd"
+
+
+LISTEN_PORTS = (20000, 32000)  # below Linux's ephemeral range (32768-60999): see `free_port`
+
+
+def free_port() -> int:
+    """A free loopback port outside the ephemeral range: a node takes a while to start on a
+    loaded machine, and a port the kernel handed out (port 0) can meanwhile be the source
+    port of some other process's outgoing connection (eaddrinuse at the node's listen)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(*LISTEN_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {LISTEN_PORTS}")
 
 
 def installed() -> bool:
@@ -43,14 +72,30 @@ class RabbitMQ:
 
     pki: Pki | None = None
 
-    def __init__(self, tmp: Path, start_timeout: float = 90.0) -> None:
-        self.dir = tmp / "rabbitmq"
+    def __init__(
+        self,
+        tmp: Path,
+        start_timeout: float = 90.0,
+        *,
+        name: str = "rabbitmq",
+        epmd_port: int | None = None,
+        cookie: str | None = None,
+        start: bool = True,
+    ) -> None:
+        """`epmd_port`: a cluster's shared epmd (else this node starts its own); `cookie`: the
+        cluster's Erlang cookie; `start`: False to start it later (`start`)."""
+        self.dir = tmp / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.amqp_port = free_port()
         self.dist_port = free_port()
-        self.epmd_port = free_port()
+        self.own_epmd = epmd_port is None
+        self.epmd_port = free_port() if epmd_port is None else epmd_port
         self.node = f"edge-test-{os.getpid()}-{self.port}@localhost"
+        if cookie is not None:
+            path = self.dir / ".erlang.cookie"
+            path.write_text(cookie)
+            path.chmod(0o400)
         self.conf = self.dir / "rabbitmq.conf"
         self.conf.write_text(
             "\n".join(
@@ -99,36 +144,41 @@ class RabbitMQ:
                 f"no RabbitMQ in {RABBITMQ_BIN} or no {EPMD}: apt-get install rabbitmq-server "
                 "(scripts/test does)"
             )
-        subprocess.run(
-            [str(RABBITMQ_BIN / "rabbitmq-plugins"), "--offline", "enable", "rabbitmq_mqtt"],
-            env=self.env,
-            check=True,
-            capture_output=True,
-            timeout=60,
-        )
+        # what `rabbitmq-plugins --offline enable rabbitmq_mqtt` writes, without booting an
+        # Erlang VM for it
+        (self.dir / "enabled_plugins").write_text("[rabbitmq_mqtt].\n")
         self.epmd: subprocess.Popen[bytes] | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.version = ""
-        try:
-            self.start(start_timeout)
-        except BaseException:
-            self.stop()
-            raise
+        self.launched = 0.0
+        if start:
+            try:
+                self.start(start_timeout)
+            except BaseException:
+                self.stop()
+                raise
 
     @property
     def url(self) -> str:
         return f"mqtt://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        # our own epmd in the foreground, so that the node does not start a detached one
-        self.epmd = subprocess.Popen(
-            [EPMD, "-port", str(self.epmd_port), "-address", "127.0.0.1"],
-            env=self.env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        _wait_listening(self.epmd_port, deadline, self.epmd, "epmd")
+        self.launch()
+        self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start the node (and our epmd) without waiting for it: a cluster starts its nodes
+        side by side."""
+        self.launched = time.monotonic()
+        if self.own_epmd:
+            # our own epmd in the foreground, so that the node does not start a detached one
+            self.epmd = subprocess.Popen(
+                [EPMD, "-port", str(self.epmd_port), "-address", "127.0.0.1"],
+                env=self.env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            _wait_listening(self.epmd_port, time.monotonic() + 30, self.epmd, "epmd")
         with open(self.dir / "stdout.log", "ab") as out:  # the child keeps its own copy
             self.proc = subprocess.Popen(
                 [str(RABBITMQ_BIN / "rabbitmq-server")],
@@ -138,6 +188,11 @@ class RabbitMQ:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: stop() can end all of it
             )
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        """Until the node's MQTT plugin answers a CONNECT with a CONNACK."""
+        assert self.proc is not None
+        deadline = self.launched + timeout
         _wait_listening(self.port, deadline, self.proc, "rabbitmq", self.read_log)
         # the listener accepts before the plugin's client-id tracking is ready: wait for a
         # real CONNACK
@@ -166,9 +221,124 @@ class RabbitMQ:
             self.epmd.wait()
             self.epmd = None
 
+    def kill(self) -> None:
+        """SIGKILL to the node's whole process group: the node dies as a machine would, its
+        clients' connections reset."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.proc = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def ctl(self, *args: str, timeout: float = 120.0) -> str:
+        """`rabbitmqctl -n <this node> ARGS`; its output, or RuntimeError with it."""
+        done = subprocess.run(
+            [str(RABBITMQ_BIN / "rabbitmqctl"), "-n", self.node, *args],
+            env=self.env,
+            capture_output=True,
+            timeout=timeout,
+            check=False,
+        )
+        out = (done.stdout + done.stderr).decode(errors="replace")
+        if done.returncode != 0:
+            raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {done.returncode}\n{out}")
+        return out
+
     def read_log(self) -> str:
         path = self.dir / "log" / f"{self.node}.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+
+class RabbitCluster:
+    """`n` RabbitMQ nodes on loopback joined into one cluster: one epmd for all, one cookie,
+    each node its own MQTT, AMQP and distribution ports. Node 0 is the seed the others join.
+    MQTT session queues (`mqtt-subscription-*`) are mirrored to every node by a policy, so a
+    persistent session and its queued messages outlive the node the client was on."""
+
+    def __init__(self, tmp: Path, n: int = 3, start_timeout: float = 150.0) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.epmd_port = free_port()
+        self._failed: list[BaseException] = []
+        cookie = secrets.token_hex(16)
+        self.nodes = [
+            RabbitMQ(
+                tmp,
+                name=f"node{i}",
+                epmd_port=self.epmd_port,
+                cookie=cookie,
+                start=False,
+            )
+            for i in range(n)
+        ]
+        self.epmd = subprocess.Popen(
+            [EPMD, "-port", str(self.epmd_port), "-address", "127.0.0.1"],
+            env=self.nodes[0].env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            _wait_listening(self.epmd_port, time.monotonic() + 30, self.epmd, "epmd")
+            for node in self.nodes:
+                node.launch()
+            for node in self.nodes:
+                node.wait_ready(start_timeout)
+            joins = [
+                threading.Thread(target=self._join, args=(node, start_timeout))
+                for node in self.nodes[1:]
+            ]
+            for t in joins:
+                t.start()
+            for t in joins:
+                t.join()
+            if self._failed:
+                raise self._failed[0]
+            self.nodes[0].ctl(
+                "set_policy",
+                "--apply-to",
+                "queues",
+                "ha-mqtt",
+                "^mqtt-subscription-",
+                '{"ha-mode":"all","ha-sync-mode":"automatic"}',
+            )
+        except BaseException:
+            self.stop()
+            raise
+
+    def _join(self, node: RabbitMQ, timeout: float) -> None:
+        """`rabbitmqctl join_cluster` of `node` to node 0 (side by side for every node)."""
+        try:
+            node.ctl("stop_app")
+            node.ctl("join_cluster", self.nodes[0].node)
+            node.ctl("start_app")
+            node.launched = time.monotonic()
+            node.wait_ready(timeout)
+        except BaseException as exc:  # raised in __init__
+            self._failed.append(exc)
+
+    @property
+    def urls(self) -> list[str]:
+        return [node.url for node in self.nodes]
+
+    def restart(self, i: int, timeout: float = 150.0) -> None:
+        """Start node `i` again after a `kill`: it rejoins the cluster from its own data."""
+        node = self.nodes[i]
+        node.launch()
+        node.wait_ready(timeout)
+
+    def members(self) -> str:
+        """`rabbitmqctl cluster_status` from the first running node."""
+        node = next(n for n in self.nodes if n.running)
+        return node.ctl("cluster_status")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        self.epmd.kill()
+        self.epmd.wait()
 
 
 def _wait_listening(

@@ -17,11 +17,11 @@ from agent.config.file import (
     BROKER_FORMAT,
     GROUP_RE,
     MQTT_PROTOCOLS,
+    Broker,
     FleetConfig,
     load_config,
-    parse_broker,
 )
-from agent.config.fleet import check_device_id
+from agent.config.fleet import check_device_id, parse_brokers
 from agent.fleet.mqtt import MqttOptions
 from agent.operator.digest import HealthInfo, health_info
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
@@ -37,7 +37,12 @@ class _Usage(AgentError):
 def _connection(args: argparse.Namespace) -> tuple[MqttOptions, FleetConfig]:
     """MqttOptions from the config's [fleet] section with the flags applied on top."""
     fleet = load_config(Path(args.config) if args.config else None).fleet
-    broker = parse_broker("--broker", "--broker", args.broker) if args.broker else fleet.broker
+    broker: Broker | None
+    if args.broker:  # given once or more: these replace the config's list whole
+        brokers = parse_brokers("--broker", "--broker", list(args.broker))
+        broker, others = brokers[0], brokers[1:]
+    else:
+        broker, others = fleet.broker, fleet.other_brokers
     if broker is None:
         where = args.config or "/etc/edge-agent/agent.toml"
         raise _Usage(
@@ -54,6 +59,7 @@ def _connection(args: argparse.Namespace) -> tuple[MqttOptions, FleetConfig]:
         raise _Usage("--cert-file and --key-file go together (mutual TLS)")
     opts = MqttOptions(
         broker=broker,
+        other_brokers=others,
         protocol=args.protocol or fleet.protocol,
         ca_file=path("ca_file", fleet.ca_file),
         cert_file=cert,
@@ -96,7 +102,11 @@ def _good_prefix(prefix: str) -> bool:
 
 def _connection_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("connection (default: the [fleet] section of --config)")
-    g.add_argument("--broker", help=BROKER_FORMAT)
+    g.add_argument(
+        "--broker",
+        action="append",
+        help=f"{BROKER_FORMAT}; again for each node of a broker cluster, tried in order",
+    )
     g.add_argument("--protocol", choices=MQTT_PROTOCOLS, help="MQTT version (default: 5)")
     g.add_argument("--ca-file", help="CA that signed the broker's certificate (mqtts)")
     g.add_argument("--cert-file", help="client certificate (mutual TLS)")

@@ -113,11 +113,11 @@ class FleetAgent:
         )
 
     def start(self) -> None:
-        assert self.config.broker is not None
+        brokers = self.link.opts.brokers
         log.info(
             "fleet: device %s, broker %s, MQTT %s, %d events waiting on disk",
             self.device_id,
-            self.config.broker.url(),
+            " then ".join(b.url() for b in brokers),
             self.config.protocol,
             len(self.outbox),
         )

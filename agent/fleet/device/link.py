@@ -1,6 +1,7 @@
 """The agent's MQTT connection, on its own thread, so that nothing in the daemon ever waits for
-the broker: reconnects with backoff, a persistent session, coalesced health and events that
-leave the outbox only on PUBACK (`FleetLink`).
+the broker: reconnects with backoff, moving on to the next node of a broker cluster when its
+node goes away, a persistent session, coalesced health and events that leave the outbox only
+on PUBACK (`FleetLink`).
 """
 
 from __future__ import annotations
@@ -98,9 +99,13 @@ class FleetLink:
     """The MQTT client on its own thread:
 
     * Connect, and reconnect after any failure, with jittered exponential backoff (1 s doubling
-      up to 2 min). Every connect is a new *session number* (persisted, so it grows across
-      restarts): the Last Will ("lost") is set with it before connecting and the birth
-      ("online") carries it.
+      up to 2 min). With several brokers (the nodes of one cluster: `opts.brokers`) the first
+      that answers is used; a failed connect or a lost connection moves on to the next one, in
+      a ring, so a dead node costs one backoff delay. The jitter spreads a fleet that lost the
+      same node over the others' first seconds. The paho client, its persistent session, the
+      message in flight and the outbox are the same whichever node we reach.
+    * Every connect is a new *session number* (persisted, so it grows across restarts): the
+      Last Will ("lost") is set with it before connecting and the birth ("online") carries it.
     * MQTT 5 persistent session (clean start off, bounded expiry): commands sent while we were
       away are delivered when we are back, for as long as the broker keeps the session.
     * Health is coalesced: callers hand over the latest snapshot; only the newest one is
@@ -151,6 +156,7 @@ class FleetLink:
         self._wake = threading.Event()
         self.session = 0
         self.connects = 0
+        self._at = 0  # which of opts.brokers we connect to next (or are connected to)
         self._thread = threading.Thread(target=self._run, name="edge-agent-fleet", daemon=True)
 
     # ------------------------------------------------------------------ any thread
@@ -161,6 +167,11 @@ class FleetLink:
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    @property
+    def broker_url(self) -> str:
+        """The broker we are connected to, or will try next."""
+        return self.opts.brokers[self._at].url()
 
     def set_health(self, health: fpb.Health) -> None:
         """Publish `health` when connected; a newer one replaces it if it is still waiting."""
@@ -217,9 +228,10 @@ class FleetLink:
             try:
                 self._connect()
             except (OSError, ssl.SSLError, ValueError) as exc:
-                if not failing:
-                    log.warning("fleet: cannot connect to %s: %s", self.opts.broker.url(), exc)
+                if not failing or len(self.opts.brokers) > 1:
+                    log.warning("fleet: cannot connect to %s: %s", self.broker_url, exc)
                 failing = True
+                self._next_broker()
                 self._stop.wait(backoff.delay())
                 continue
             while not self._stop.is_set():
@@ -231,16 +243,22 @@ class FleetLink:
                         failing = False
                     backoff.reset()
                     self._pump()
-            # an event in flight stays in flight: paho sends it again after the reconnect
+            # an event in flight stays in flight: paho sends it again after the reconnect,
+            # to whichever node answers
             self._connected.clear()
             if not self._stop.is_set():
+                self._next_broker()
                 self._stop.wait(backoff.delay())
+
+    def _next_broker(self) -> None:
+        """Move on to the next broker of the list (a ring); one broker: stay."""
+        self._at = (self._at + 1) % len(self.opts.brokers)
 
     def _connect(self) -> None:
         self.session = self._sessions.next()
         will, props = outgoing(self.opts, self._state(fpb.DeviceState.LOST, self.session))
         self._client.will_set(self.topics.state, will, qos=1, retain=True, properties=props)
-        b = self.opts.broker
+        b = self.opts.brokers[self._at]
         if self.opts.v5:
             self._client.connect(
                 b.host,
@@ -254,13 +272,13 @@ class FleetLink:
 
     def _on_connect(self, client: mqtt.Client, _u: Any, flags: Any, rc: Any, _p: Any) -> None:
         if rc.is_failure:
-            log.error("fleet: broker %s refused the connection: %s", self.opts.broker.url(), rc)
+            log.error("fleet: broker %s refused the connection: %s", self.broker_url, rc)
             client.disconnect()
             return
         self.connects += 1
         log.info(
             "fleet: connected to %s as %s (session %d)",
-            self.opts.broker.url(),
+            self.broker_url,
             self.topics.device,
             self.session,
         )
@@ -272,7 +290,7 @@ class FleetLink:
 
     def _on_disconnect(self, _c: mqtt.Client, _u: Any, _f: Any, rc: Any, _p: Any) -> None:
         if self._connected.is_set():
-            log.warning("fleet: disconnected from %s: %s", self.opts.broker.url(), rc)
+            log.warning("fleet: disconnected from %s: %s", self.broker_url, rc)
         self._connected.clear()
 
     def _pump(self) -> None:
