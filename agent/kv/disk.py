@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.base.errors import InvalidRequest, NotFound, SessionLost, Unavailable
-from agent.base.fsutil import atomic_write, is_temp
+from agent.base.fsutil import atomic_write, is_temp, make_dirs
 from agent.kv.codec import Header, encode, read_header, read_snapshot
 from agent.kv.snapshot import KVSnapshot
 
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 SUFFIX = ".kv"
 _KEY_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN}
+_FULL = {errno.ENOSPC, errno.EDQUOT}
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +92,7 @@ class DiskTier:
             self.disabled = "the disk tier is off (budget 0)"
             return
         try:
-            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            make_dirs(self.dir, 0o700)  # synced into root: a power cut must not take it
             self._scan()
         except OSError as exc:
             self.disabled = f"cannot use {self.dir}: {exc.strerror or exc}"
@@ -131,8 +132,9 @@ class DiskTier:
         Never raises for a failure to store (too big, disk full, unwritable directory, a dtype
         or `meta` that cannot be stored): returns ``Stored(ok=False, ...)``, logs a warning
         (a disabled tier logged its reason once, when built) and leaves an older file of `key`
-        as it was. Raises `InvalidRequest` for a malformed key only. `meta` must be plain JSON
-        (tuples read back as lists).
+        as it was — except on a full disk, where that older file is deleted too (the session
+        has moved on from it; one log line). Raises `InvalidRequest` for a malformed key only.
+        `meta` must be plain JSON (tuples read back as lists).
         """
         check_key(key)
         if self.disabled is not None:
@@ -159,6 +161,8 @@ class DiskTier:
             self._make_room(enc.nbytes, key, evicted, order)
             atomic_write(self._path(key), enc.write_to, now)
         except OSError as exc:
+            if exc.errno in _FULL:
+                return self._drop(key, f"the disk is full ({exc.strerror})", evicted)
             return self._refuse(key, f"cannot write to {self.dir}: {exc}", evicted)
         self._index.pop(key, None)
         plain_meta = json.loads(json.dumps(dict(meta)))  # as it reads back after a restart
@@ -227,6 +231,16 @@ class DiskTier:
 
     def _refuse(self, key: str, why: str, evicted: list[str]) -> Stored:
         log.warning("session %s not saved to disk: %s", key, why)
+        return Stored(False, tuple(evicted), why)
+
+    def _drop(self, key: str, why: str, evicted: list[str]) -> Stored:
+        """A save that failed for want of space: the older file of `key` goes too, so that the
+        index and the directory agree and no stale copy of the session outlives it."""
+        had = self._index.pop(key, None) is not None
+        gone = _remove(self._path(key))
+        what = "; its older saved copy is dropped" if had else ""
+        what += "" if gone else " (and its older file cannot be deleted)"
+        log.warning("session %s not saved to disk: %s%s", key, why, what)
         return Stored(False, tuple(evicted), why)
 
     def _lost(self, key: str, why: str) -> SessionLost:
