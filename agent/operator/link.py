@@ -73,19 +73,26 @@ class _Link:
     ) -> None:
         self.opts = opts
         self.url = opts.broker.url()
-        self.client = new_client(client_id, opts, persistent=False)
-        self.client.on_connect = self._on_connect
-        self.client.on_disconnect = self._on_disconnect
-        self.client.on_subscribe = self._on_subscribe
-        self.client.on_publish = self._on_publish
-        self.client.on_message = lambda _c, _u, msg: on_message(msg)
-        self.client.on_log = self._on_log
+        self._client_id, self._on_message = client_id, on_message
+        self.client = self._new_client()
+        self._tried = False  # a connect was attempted with `client` (paho: no second timeout)
         self._connack: ReasonCode | None = None
         self._gone: str | None = None
         self._error: str | None = None  # paho's first error log line: the socket/TLS reason
         self.connected_once = False  # a CONNACK came: later errors are a lost connection
         self._subacks: dict[int, list[ReasonCode]] = {}
         self._pubacks: dict[int, ReasonCode] = {}
+
+    def _new_client(self) -> mqtt.Client:
+        client = new_client(self._client_id, self.opts, persistent=False)
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_subscribe = self._on_subscribe
+        client.on_publish = self._on_publish
+        on_message = self._on_message
+        client.on_message = lambda _c, _u, msg: on_message(msg)
+        client.on_log = self._on_log
+        return client
 
     # paho callbacks (CallbackAPIVersion.VERSION2)
     def _on_connect(self, _c: Any, _u: Any, _flags: Any, rc: ReasonCode, _p: Any) -> None:
@@ -130,6 +137,10 @@ class _Link:
     def _connect(self, b: Broker, deadline: float) -> None:
         """Open the connection to `b` and wait for its CONNACK."""
         self.url = b.url()
+        if self._tried:  # the next node: a fresh client (paho refuses a new connect_timeout)
+            self.close()
+            self.client = self._new_client()
+        self._tried = True
         self._connack, self._gone, self._error = None, None, None
         self.client.connect_timeout = max(0.1, deadline - time.monotonic())
         try:

@@ -4,14 +4,17 @@ and the list kept in a rollout's state (docs/FLEET.md, "Broker clusters")."""
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import pytest
 
 from agent.base.errors import ConfigError
 from agent.cli.fleet.common import _connection, _connection_args
-from agent.config.file import Broker, parse_config
+from agent.config.file import Broker, parse_broker, parse_config
 from agent.fleet.mqtt import MqttOptions
+from agent.operator.link import FleetError, _client_id, _Link
+from tests.support.broker import Mosquitto, free_port
 
 SRC = "/etc/edge-agent/agent.toml"
 
@@ -77,3 +80,28 @@ def test_a_rollouts_state_keeps_every_broker() -> None:
     one = MqttOptions(Broker("a", 1, False))
     assert [k for k, _ in one.to_pairs()].count("other_brokers") == 0  # as before: one broker
     assert MqttOptions.from_pairs(one.to_pairs(), "state") == one
+
+
+def test_the_operators_link_connects_to_the_first_broker_that_answers(tmp_path: Path) -> None:
+    """A dead node (nothing listens on its port) first, then two that answer: the link skips
+    the dead one and stays on the first live one; all dead: one error naming each."""
+    dead = Broker("127.0.0.1", free_port(), False)
+    live = Mosquitto(tmp_path / "a")
+    other = Mosquitto(tmp_path / "b")
+    try:
+        urls = [parse_broker("t", "b", b.url) for b in (live, other)]
+        opts = MqttOptions(dead, other_brokers=tuple(urls))
+        link = _Link(opts, _client_id("t"), lambda _m: None)
+        try:
+            link.connect(time.monotonic() + 20)
+            assert link.url == live.url and link.connected_once
+        finally:
+            link.close()
+        nowhere = MqttOptions(dead, other_brokers=(Broker("127.0.0.1", free_port(), False),))
+        link = _Link(nowhere, _client_id("t"), lambda _m: None)
+        with pytest.raises(FleetError, match="no broker answered: cannot connect to mqtt://"):
+            link.connect(time.monotonic() + 10)
+        link.close()
+    finally:
+        live.stop()
+        other.stop()
