@@ -78,6 +78,7 @@ UPDATES = (
     "progress_interval_s",
     "retry_s",
     "max_download_attempts",
+    "min_free_bytes",
     "clock",
     "timesync_file",
 )
@@ -175,6 +176,9 @@ class UpdatesConfig:
     progress_interval_s: float = 5.0  # download progress reports, at most this often
     retry_s: float = 30.0  # between download attempts
     max_download_attempts: int = 20  # in a row without progress: then the update is given up
+    # kept free on the state directory's filesystem: an offer that would leave less is refused
+    # (`no_space`), and health flags and logs free space below it
+    min_free_bytes: int = 64 << 20
     # when the wall clock counts as synchronized (agent.base.clock.SOURCES): "auto" = timesyncd's
     # file or the kernel's NTP status; "trusted" = always (an RTC set by other means)
     clock: str = "auto"
@@ -383,6 +387,7 @@ def _parse_updates(t: Table) -> UpdatesConfig:
         progress_interval_s=num("progress_interval_s", 0.1, 3600, d.progress_interval_s),
         retry_s=num("retry_s", 0.1, 3600, d.retry_s),
         max_download_attempts=t.integer("max_download_attempts", 1, 10000, d.max_download_attempts),
+        min_free_bytes=t.size("min_free_bytes", 0, 1 << 40, d.min_free_bytes),
         clock=t.choice("clock", CLOCK_SOURCES) if "clock" in t.raw else d.clock,
         timesync_file=t.absolute_path("timesync_file") or d.timesync_file,
     )

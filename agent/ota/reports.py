@@ -1,8 +1,8 @@
 """An update's status reports (`UpdateStatus`), as the fleet's status topic carries them.
 
-A transition's report carries an idempotency key, ``update/<id>/<STATE>``: the updater sends it
-right after the record moves and again at every start (re-derived from the record), and the
-outbox records each key once, so a crash between the record and its report loses nothing and
+A transition's report carries an idempotency key (`transition_key`): the updater sends it right
+after the record moves and again at every start (re-derived from the record), and the outbox
+records each key once, so a crash between the record and its report loses nothing and
 duplicates nothing. Download progress and refusals at the offer carry no key. Reports made
 before the daemon can send them (`Updater.boot`) wait here until `attach`.
 """
@@ -29,8 +29,11 @@ def manifest_of(rec: opb.UpdateRecord) -> opb.Manifest:
     return m
 
 
-def transition_key(update_id: str, state: int) -> str:
-    return f"update/{update_id}/{R.State.Name(state)}"
+def transition_key(update_id: str, state: int, attempt: int = 0) -> str:
+    """``update/<id>/<STATE>``; ``update/<id>/<attempt>/<STATE>`` for an offer of the same id
+    after it ended `no_space` (agent/ota/space.py), whose transitions are new events."""
+    again = f"{attempt}/" if attempt else ""
+    return f"update/{update_id}/{again}{R.State.Name(state)}"
 
 
 class Reports:
@@ -69,7 +72,7 @@ class Reports:
     ) -> fpb.UpdateStatus:
         """Report the record's state, keyed: recorded once however often it is sent."""
         status = self.status(rec, message, code)
-        self._emit(status, transition_key(status.update_id, rec.state))
+        self._emit(status, transition_key(status.update_id, rec.state, rec.attempt))
         return status
 
     def progress(self, rec: opb.UpdateRecord, message: str) -> None:

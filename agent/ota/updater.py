@@ -14,6 +14,7 @@ from pathlib import Path
 from agent.base.clock import Clock, Stopwatch
 from agent.base.errors import AgentError
 from agent.config.file import UpdatesConfig
+from agent.ota import space
 from agent.ota.artifact import keys, manifest, signing
 from agent.ota.artifact.cancel import check_cancellable, verify_cancel
 from agent.ota.cleanup import Cleanup
@@ -54,12 +55,10 @@ class Updater:
     (update id and state); `attach()` re-reports the record's state at every start, so a crash
     between the record and its report loses nothing, and the outbox records each key once.
 
-    Everything here runs on the daemon's event loop; downloads and patching run in a worker thread.
-    The current model serves throughout; nothing changes until the new model has loaded beside it
-    and passed its canary.
-
-    Beside the machine: the steps' work (download.py, staging.py), the record and the pointer
-    (store.py), the reports (reports.py), what follows an ended update (cleanup.py), a cancel's
+    It runs on the daemon's event loop (downloads and patching in a worker thread); the current
+    model serves until the new one has loaded beside it and passed its canary. Beside it: the
+    steps' work (download.py, staging.py), the record and the pointer (store.py), the reports
+    (reports.py), what follows an ended update (cleanup.py), a full disk (space.py), a cancel's
     interrupt (interrupt.py) and what the daemon provides (host.py).
     """
 
@@ -177,7 +176,7 @@ class Updater:
         (a crash may have come between its record and its cleanup)."""
         rec = self.store.record()
         if rec is not None and rec.state in FINAL:
-            self.cleanup.complete(rec)
+            space.complete(self.cleanup, rec)
             assert self.host is not None
             self.host.remove_unused_caches()
         elif rec is not None and rec.state != R.STATE_UNSPECIFIED:
@@ -195,7 +194,7 @@ class Updater:
         except Exception as exc:
             return self.reports.rejected("", "malformed", f"malformed SignedManifest: {exc}")
         busy = self.store.record()
-        if busy is not None and busy.state not in FINAL and self._task is not None:
+        if busy is not None and busy.state not in FINAL and self._task and not self._task.done():
             m = self._manifest(busy)
             return self.reports.rejected(
                 "", "busy", f"update {m.update_id} is in progress ({R.State.Name(busy.state)})"
@@ -213,6 +212,7 @@ class Updater:
         now = self._trusted_now()
         try:
             manifest.check(m, self.host.install_context(inst.current), now)
+            space.check(m, self.store, self.config.min_free_bytes)
         except manifest.UpdateRejected as exc:
             return self.reports.rejected(m.update_id, exc.code, exc.message, m)
         rec = R(
@@ -222,6 +222,7 @@ class Updater:
             reason="manifest verified" + ("" if now is not None else UNJUDGED),
             previous_model_dir=inst.current.model_dir,
             from_version=inst.current.label or str(inst.current.version),
+            attempt=space.attempt(busy, m),
         )
         self.store.save(rec)
         crash_point(UNREPORTED + "received")
@@ -277,15 +278,17 @@ class Updater:
                     raise AgentError(f"unknown update state {rec.state}")
                 await pause_point(R.State.Name(rec.state).lower())
                 await step(rec, m)
-        except asyncio.CancelledError:
-            raise
-        except manifest.UpdateRejected as exc:
-            self._finish(rec, R.REJECTED, exc.message, exc.code)
-        except (PayloadTooLarge, delta.DeltaError) as exc:
-            self._finish(rec, R.REJECTED, str(exc), "payload")
-        except Exception as exc:  # whatever went wrong, the serving model keeps serving
-            log.exception("update %s failed", m.update_id)
-            self._finish(rec, R.REJECTED, f"{type(exc).__name__}: {exc}", "failed")
+        except Exception as exc:  # whatever went wrong (not a CancelledError), the model serves
+            if space.is_no_space(exc):  # a full disk: the update ends, retryable (space.py)
+                space.release(self.cleanup, rec)
+                self._finish(rec, R.REJECTED, space.message(exc, self.store), space.NO_SPACE)
+            elif isinstance(exc, manifest.UpdateRejected):
+                self._finish(rec, R.REJECTED, exc.message, exc.code)
+            elif isinstance(exc, PayloadTooLarge | delta.DeltaError):
+                self._finish(rec, R.REJECTED, str(exc), "payload")
+            else:
+                log.exception("update %s failed", m.update_id)
+                self._finish(rec, R.REJECTED, f"{type(exc).__name__}: {exc}", "failed")
 
     def _steps(
         self,
@@ -431,10 +434,10 @@ class Updater:
         rec.state = state  # type: ignore[assignment]
         rec.reason = message
         rec.reason_code = code
-        self.store.save(rec)
+        space.save_final(self.store, rec)
         crash_point(UNREPORTED + R.State.Name(state).lower())
         if state in (R.REJECTED, R.ROLLED_BACK):
-            self.cleanup.complete(rec)
+            space.complete(self.cleanup, rec)
         if report:
             self.reports.transition(rec, message, code)
         (log.info if state == R.COMMITTED else log.warning)(

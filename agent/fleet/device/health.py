@@ -92,10 +92,11 @@ def _read_throttled(path: Path) -> int | None:
         return None
 
 
-def read_disk(path: Path) -> fpb.Disk:
+def read_disk(path: Path, min_free_bytes: int = 0) -> fpb.Disk:
     """Free (available to the agent) and total bytes of the filesystem holding `path`, or of
-    its nearest existing parent; zeros when nothing can be measured."""
-    msg = fpb.Disk(path=str(path))
+    its nearest existing parent; zeros when nothing can be measured. `low`: measured and free
+    below `min_free_bytes` (`[updates] min_free_bytes`, below which updates are refused)."""
+    msg = fpb.Disk(path=str(path), min_free_bytes=min_free_bytes)
     for candidate in (path, *path.parents):
         try:
             st = os.statvfs(candidate)
@@ -103,6 +104,7 @@ def read_disk(path: Path) -> fpb.Disk:
             continue
         msg.free_bytes = st.f_bavail * st.f_frsize
         msg.total_bytes = st.f_blocks * st.f_frsize
+        msg.low = msg.free_bytes < min_free_bytes
         break
     return msg
 
@@ -218,7 +220,7 @@ def changes(prev: fpb.Health | None, new: fpb.Health) -> list[str]:
         "throttled": p.thermal.throttled_now != n.thermal.throttled_now,
         "under-voltage": p.thermal.under_voltage != n.thermal.under_voltage,
         "temperature": _temp_band(p.thermal) != _temp_band(n.thermal),
-        "disk": _disk_low(p.disk) != _disk_low(n.disk),
+        "disk": _disk_low(p.disk) != _disk_low(n.disk) or p.disk.low != n.disk.low,
         "update": _update(p) != _update(n),
         "over budget": _over_budget(p.memory) != _over_budget(n.memory),
         "clock": p.clock.synchronized != n.clock.synchronized,
@@ -284,6 +286,7 @@ class HealthReporter:
         self.last: fpb.Health | None = None
         self._sent_at = 0.0
         self._pending: list[str] = []  # names of changes not yet published
+        self._disk_low = False  # what the last warning about free space said
 
     def next(
         self,
@@ -314,6 +317,16 @@ class HealthReporter:
         for name in changes(self.last, health):
             if name not in self._pending:
                 self._pending.append(name)
+        if disk.low != self._disk_low:  # one line when free space falls below the threshold
+            self._disk_low = disk.low
+            (log.warning if disk.low else log.info)(
+                "disk: %d bytes free on %s, %s updates.min_free_bytes (%d)%s",
+                disk.free_bytes,
+                disk.path,
+                "below" if disk.low else "back above",
+                disk.min_free_bytes,
+                "; updates are refused (no_space) until there is room" if disk.low else "",
+            )
         at = now if mono is None else mono
         elapsed = at - self._sent_at
         if self.last is not None and elapsed >= 0 and not force:

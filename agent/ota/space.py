@@ -1,0 +1,121 @@
+"""A full disk and updates (docs/UPDATES.md): the space an update needs, checked at the offer,
+and what an update that meets ENOSPC anyway leaves — nothing. Its payload and the directory it
+was building are removed before its record and report are written (they need the room), it
+ends REJECTED with code `no_space`, and its id stays usable: the device does not retry by
+itself, a later offer of the same update (a rollout's `retry-failed`) starts it again once the
+check at the offer passes, i.e. once space is back.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from pathlib import Path
+
+from agent.ota.artifact.manifest import UpdateRejected
+from agent.ota.cleanup import Cleanup
+from agent.ota.reports import manifest_of
+from agent.ota.store import Store
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
+
+log = logging.getLogger(__name__)
+
+R = opb.UpdateRecord
+NO_SPACE = "no_space"
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether `exc`, or an exception it was raised from or while handling, is ENOSPC/EDQUOT."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError) and e.errno in _FULL:
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes available to the agent on the filesystem of `path` (or its nearest existing
+    parent); None when nothing can be measured."""
+    for candidate in (path, *path.parents):
+        try:
+            st = os.statvfs(candidate)
+        except (OSError, ValueError):
+            continue
+        return st.f_bavail * st.f_frsize
+    return None
+
+
+def needed_bytes(m: opb.Manifest) -> int:
+    """The most an update holds on the disk at once: the payload and the rebuilt model directory
+    (the payload is removed only once the directory is in place)."""
+    return int(m.payload_size) + sum(int(f.size) for f in m.files)
+
+
+def check(m: opb.Manifest, store: Store, margin: int) -> None:
+    """Raise UpdateRejected `no_space` unless the state directory's filesystem has room for the
+    update and `margin` (`updates.min_free_bytes`) beside it."""
+    free = free_bytes(store.models.parent)
+    need = needed_bytes(m)
+    if free is not None and free < need + margin:
+        raise UpdateRejected(
+            NO_SPACE,
+            f"the update needs {need} bytes on the device and {margin} more are kept free "
+            f"(updates.min_free_bytes); {free} are free: offer it again once there is room",
+        )
+
+
+def retryable(rec: opb.UpdateRecord) -> bool:
+    """An update that ended for want of space: its id is not used up."""
+    return rec.state == R.REJECTED and rec.reason_code == NO_SPACE
+
+
+def attempt(previous: opb.UpdateRecord | None, m: opb.Manifest) -> int:
+    """The attempt number of a new record for `m`: one more than the previous record's when that
+    was the same update ended `no_space` (its reports get new idempotency keys), else 0."""
+    same = previous is not None and manifest_of(previous).update_id == m.update_id
+    return previous.attempt + 1 if same and previous is not None and retryable(previous) else 0
+
+
+def release(cleanup: Cleanup, rec: opb.UpdateRecord) -> None:
+    """Remove what the update wrote: its payload, and the model directory it built or was
+    building unless something names it (the serving, last known good or previous model)."""
+    cleanup.store.payload_path(manifest_of(rec).update_id).unlink(missing_ok=True)
+    cleanup.remove_built(rec)
+
+
+def complete(cleanup: Cleanup, rec: opb.UpdateRecord) -> None:
+    """`Cleanup.complete`, except that a `no_space` end leaves its id usable."""
+    if retryable(rec):
+        release(cleanup, rec)
+    else:
+        cleanup.complete(rec)
+
+
+def save_final(store: Store, rec: opb.UpdateRecord) -> None:
+    """Save an ended record; a `no_space` end whose record still does not fit (something else
+    filled the disk) is logged and left: the record on disk keeps its earlier state, which the
+    next start resumes (and meets the full disk again, or finishes)."""
+    try:
+        store.save(rec)
+    except OSError as exc:
+        if not (retryable(rec) and is_no_space(exc)):
+            raise
+        log.error(
+            "update %s: the record of its end cannot be written either (%s); it is reported",
+            manifest_of(rec).update_id,
+            exc,
+        )
+
+
+def message(exc: BaseException, store: Store) -> str:
+    """The reason of a `no_space` end (after `release`)."""
+    free = free_bytes(store.models.parent)
+    return (
+        f"no space left on the device: {exc}; what the update wrote is removed "
+        f"({free if free is not None else '?'} bytes free now); offer it again once there is room"
+    )
