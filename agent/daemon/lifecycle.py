@@ -224,7 +224,8 @@ class Daemon:
         assert self._serving.plan is not None
         device = resolve_device_id(fleet)
         loop = asyncio.get_running_loop()
-        self._fleet = FleetAgent(fleet, device, self._serving.plan.state_dir, self, loop)
+        state, min_free = self._serving.plan.state_dir, self.config.updates.min_free_bytes
+        self._fleet = FleetAgent(fleet, device, state, self, loop, min_free_bytes=min_free)
         self._fleet.start()
 
     async def _load(self, plan: Plan) -> Engine:

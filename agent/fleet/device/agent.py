@@ -81,8 +81,10 @@ class FleetAgent:
         backend: FleetBackend,
         loop: asyncio.AbstractEventLoop,
         sys_root: Path = Path("/sys"),
+        min_free_bytes: int = 0,
     ) -> None:
         self.config = config
+        self.min_free_bytes = min_free_bytes  # [updates]: health flags free space below it
         self.device_id = device_id
         self._backend = backend
         self._loop = loop
@@ -141,7 +143,7 @@ class FleetAgent:
             status,
             info,
             thermal=read_thermal(self._sys_root),
-            disk=read_disk(self._state_dir),
+            disk=read_disk(self._state_dir, self.min_free_bytes),
             last_update=self.last_update,
             now=time.time(),
             force=force,
@@ -161,7 +163,7 @@ class FleetAgent:
             session=self.link.session,
             device_id=self.device_id,
             thermal=read_thermal(self._sys_root),
-            disk=read_disk(self._state_dir),
+            disk=read_disk(self._state_dir, self.min_free_bytes),
             last_update=self.last_update,
             now=time.time(),
             labels=self.labels,
