@@ -1,0 +1,315 @@
+"""Broker failover on a real three-node RabbitMQ cluster on loopback (tests/support/
+broker_rabbitmq.py's RabbitCluster; docs/FLEET.md, "Broker clusters"): the node a real
+daemon's link is on is killed (SIGKILL, as a machine dies) during health reports and in the
+middle of an update's MQTT block download, and the device is back on the next node of its
+`broker = [...]` list within 30 s with every outbox event delivered and the update finished;
+the operator's `fleet send` survives its own node dying.
+
+Deterministic: every step waits on something observable (a log line, a message seen by an
+observer on a node that stays up, a block request held by the test's block server); a dead
+node is started again in the background and waited for before the next test.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+
+from agent.config.file import parse_broker
+from agent.fleet.mqtt import MqttOptions, decode_message
+from agent.fleet.topics import Topics
+from agent.operator.link import _client_id, _Link
+from agent.operator.publish import Offer, read_offer
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
+from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
+from tests.support.broker_rabbitmq import RabbitCluster, RabbitMQ
+from tests.support.daemon_harness import Daemon
+from tests.system.test_fleet_rabbitmq import FLEET, PREFIX, Observer
+from tests.system.test_updates import Models, big_models, bundle, trusted  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.rabbitmq
+
+FAILOVER_S = 30.0  # issue 35: back on another node within this
+State = fpb.DeviceState
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+RECORDED = re.compile(r"fleet: event (\d+) recorded")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RabbitCluster]:
+    c = RabbitCluster(tmp_path_factory.mktemp("rabbit-cluster"), 3)
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def nodes(cluster: RabbitCluster) -> list[RabbitMQ]:
+    """The cluster's nodes, every one running (a node a test killed is back)."""
+    for i, node in enumerate(cluster.nodes):
+        if node.proc is None:
+            node.launch()
+        if not node.running or not _answers(node):
+            node.wait_ready(150)
+        assert node.running, f"node {i} did not come back:\n{node.read_log()[-3000:]}"
+    return cluster.nodes
+
+
+def _answers(node: RabbitMQ) -> bool:
+    from tests.support.broker_rabbitmq import _mqtt_connects
+
+    return _mqtt_connects(node.port)
+
+
+def config(brokers: list[RabbitMQ], extra: str = "") -> str:
+    """The device's [fleet] section (MQTT 3.1.1) naming `brokers` in this order."""
+    urls = ", ".join(f'"{b.url}"' for b in brokers)
+    return FLEET.replace("[fleet]\n", f"[fleet]\nbroker = [{urls}]\n") + extra
+
+
+def start(tmp: Path, model: Path, device: str, text: str) -> Daemon:
+    return Daemon(tmp, model, text, args=("--device-id", device))
+
+
+def operator(*argv: str, brokers: list[RabbitMQ], config: Path) -> list[str]:
+    """An `edge-agent fleet` command line with one --broker per node, in this order."""
+    config.write_text("")
+    flags = [f for b in brokers for f in ("--broker", b.url)]
+    return [
+        sys.executable,
+        "-m",
+        "agent",
+        "fleet",
+        *argv,
+        *flags,
+        "--protocol",
+        "3.1.1",
+        "--config",
+        str(config),
+    ]
+
+
+def connected_to(d: Daemon, node: RabbitMQ, since: int = 0) -> int:
+    return d.wait_log(f"fleet: connected to {node.url} as", FAILOVER_S, since)
+
+
+def recorded(d: Daemon) -> set[int]:
+    """The seq of every event the daemon put in its outbox."""
+    return {int(m) for m in RECORDED.findall(d.read_log())}
+
+
+def delivered(watch: Observer, topics: list[str]) -> set[int]:
+    """The seq of every event an observer saw (duplicates are allowed: at least once)."""
+    return {fpb.Event.FromString(s.payload).seq for s in watch.seen if s.topic in topics}
+
+
+def test_a_dead_node_during_health_reports(
+    tiny_model_dir: Path, tmp_path: Path, nodes: list[RabbitMQ]
+) -> None:
+    """The device is on node 0; node 0 dies; it is back on node 1 (the next of its list) with a
+    new session within FAILOVER_S, health goes on, and every event (two reloads, one before
+    and one after the failover) reaches an observer on node 2."""
+    n0, n1, n2 = nodes
+    device = "dev-fo-health"
+    topics = Topics(PREFIX, device)
+    watch = Observer(n2, "fo-health-watch", [topics.state, topics.health, topics.event])
+    d = start(tmp_path, tiny_model_dir, device, config([n0, n1, n2]))
+    op = tmp_path / "operator.toml"
+    try:
+        connected_to(d, n0)
+        birth = State.FromString(watch.state(device, State.ONLINE).payload)
+        mark = len(watch.seen)
+        watch.wait(lambda s: s.topic == topics.health, 30, mark)
+        sent = subprocess.run(
+            operator("send", device, "reload", brokers=[n2], config=op),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env=ENV,
+        )
+        assert sent.returncode == 0, sent.stderr
+        at = len(d.read_log())
+        killed = time.monotonic()
+        n0.kill()
+        connected_to(d, n1, at)
+        back = State.FromString(watch.state(device, State.ONLINE, since=mark).payload)
+        assert time.monotonic() - killed < FAILOVER_S
+        assert back.session > birth.session
+        n0.launch()  # back in the background; the next test waits for it
+        mark = len(watch.seen)
+        health = watch.wait(lambda s: s.topic == topics.health, 30, mark)
+        assert fpb.Health.FromString(health.payload).session == back.session
+        sent = subprocess.run(
+            operator("send", device, "reload", brokers=[n1], config=op),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env=ENV,
+        )
+        assert sent.returncode == 0, sent.stderr
+        d.wait_log("fleet: event 2 recorded", 30)
+        want = recorded(d)
+        assert len(want) >= 2, d.read_log()
+        watch.wait(lambda _s: delivered(watch, [topics.event]) >= want, 30)
+        assert d.client().health() == "SERVING"
+    finally:
+        assert d.stop() == 0, d.read_log()
+        watch.close()
+
+
+class BlockServer:
+    """The operator's side of an MQTT-block update (agent.operator.publish.Offer on a real
+    link), with one gate: the first request past the first block is held until `release`, so
+    that the test can kill the device's node while its download is half done."""
+
+    def __init__(self, brokers: list[RabbitMQ], bundle_path: Path, device: str) -> None:
+        urls = [parse_broker("test", "broker", b.url) for b in brokers]
+        self.opts = MqttOptions(urls[0], other_brokers=tuple(urls[1:]), protocol="3.1.1")
+        self.statuses: list[fpb.UpdateStatus] = []
+        self.held: mqtt.MQTTMessage | None = None
+        self.released = False
+        signed, manifest, payload = read_offer(bundle_path)
+        self.offer = Offer(
+            self.opts,
+            PREFIX,
+            signed,
+            manifest,
+            payload,
+            lambda _d, st, _s: self.statuses.append(st),
+        )
+        self.device = device
+        self.link = _Link(self.opts, _client_id("blocks"), self._on_message)
+        deadline = time.monotonic() + 30
+        self.link.connect(deadline)
+        self.link.subscribe(self.offer.filters(), deadline)
+        self.offer.send(self.link, device, deadline)
+
+    def _on_message(self, msg: mqtt.MQTTMessage) -> None:
+        if msg.topic == Topics(PREFIX, self.device).block_request and not self.released:
+            req = decode_message(opb.BlockRequest, msg)
+            if req.offset > 0:
+                self.held = msg
+                return
+        self.offer.handle(self.link, msg)
+
+    def pump_until(self, done: object, timeout: float) -> None:
+        assert callable(done)
+        self.link.pump_until(done, time.monotonic() + timeout)
+
+    def release(self) -> None:
+        """Answer the held request now (into the device's session, wherever it is)."""
+        self.released = True
+        assert self.held is not None
+        self.offer.handle(self.link, self.held)
+
+    def final(self) -> bool:
+        done = (fpb.UpdateStatus.COMMITTED, fpb.UpdateStatus.FAILED, fpb.UpdateStatus.REJECTED)
+        return any(st.phase in done for st in self.statuses)
+
+
+def test_a_dead_node_in_the_middle_of_an_mqtt_block_download(
+    big_models: Models,  # noqa: F811
+    trusted: Path,  # noqa: F811
+    tmp_path: Path,
+    nodes: list[RabbitMQ],
+) -> None:
+    """The device is on node 1 and holds the first block of its update; node 1 dies before
+    the second block is served. The device moves to node 2, the block comes (from the session
+    the cluster kept, or asked again), the update commits, and every update status it
+    recorded reaches the operator."""
+    n0, n1, n2 = nodes
+    device = "dev-fo-ota"
+    topics = Topics(PREFIX, device)
+    path = bundle(big_models, tmp_path)  # no URL: the payload comes in blocks over MQTT
+    extra = (
+        '[model]\nquantization = "int8"\n'
+        f'[updates]\ntrusted_keys_dir = "{trusted}"\ntrial_s = 1.0\n'
+        "retry_s = 0.5\nprogress_interval_s = 0.2\n"
+        'clock = "trusted"\n'
+    )
+    watch = Observer(n0, "fo-ota-watch", [topics.update_status])
+    d = start(tmp_path, big_models.base, device, config([n1, n2, n0], extra))
+    server: BlockServer | None = None
+    try:
+        connected_to(d, n1)
+        assert d.client().info()["version"] == "1.0.0"
+        server = BlockServer([n2, n0], path, device)
+        server.pump_until(lambda: server is not None and server.held is not None, 60)
+        at = len(d.read_log())
+        killed = time.monotonic()
+        n1.kill()
+        server.release()
+        connected_to(d, n2, at)
+        assert time.monotonic() - killed < FAILOVER_S
+        n1.launch()
+        server.pump_until(server.final, 120)
+        assert server.statuses[-1].phase == fpb.UpdateStatus.COMMITTED, server.statuses
+        assert d.client().info()["version"] == "1.2.0"
+        want = recorded(d)
+        assert want, d.read_log()
+        watch.wait(lambda _s: delivered(watch, [topics.update_status]) >= want, 30)
+    finally:
+        if server is not None:
+            server.link.close()
+        assert d.stop() == 0, d.read_log()
+        watch.close()
+
+
+def test_fleet_send_survives_its_node_dying(
+    tiny_model_dir: Path, tmp_path: Path, nodes: list[RabbitMQ]
+) -> None:
+    """`fleet send --broker n0 --broker n1`: the command is out through node 0 and the device
+    (stopped, SIGSTOP) has not answered when node 0 dies; the operator sends it again through
+    node 1 and gets the answer once the device runs again."""
+    n0, n1, n2 = nodes
+    device = "dev-fo-send"
+    topics = Topics(PREFIX, device)
+    watch = Observer(n2, "fo-send-watch", [topics.command("ping")])
+    d = start(tmp_path, tiny_model_dir, device, config([n1, n2]))
+    op = tmp_path / "operator.toml"
+    out, err = tmp_path / "send.out", tmp_path / "send.err"
+    proc: subprocess.Popen[bytes] | None = None
+
+    def said() -> str:
+        return f"operator stdout:\n{out.read_text()}\nstderr:\n{err.read_text()}"
+
+    try:
+        connected_to(d, n1)
+        d.signal(signal.SIGSTOP)
+        with open(out, "wb") as o, open(err, "wb") as e:
+            proc = subprocess.Popen(
+                operator("send", device, "ping", "--timeout", "150", brokers=[n0, n1], config=op),
+                stdout=o,
+                stderr=e,
+                cwd=ROOT,
+                env=ENV,
+            )
+        try:
+            watch.wait(lambda s: True, 120)  # the command went out through node 0
+            n0.kill()
+            watch.wait(lambda s: True, 120, since=1)  # ... and again through node 1
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{said()}") from None
+        d.signal(signal.SIGCONT)
+        assert proc.wait(180) == 0, said()
+        assert f"{device} ping: OK" in out.read_text(), said()
+        assert "sending ping again" in err.read_text() and n1.url in err.read_text(), said()
+        n0.launch()
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        d.signal(signal.SIGCONT)
+        assert d.stop() == 0, d.read_log()
+        watch.close()
