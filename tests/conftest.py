@@ -1,10 +1,13 @@
-"""Shared fixtures: tiny real models (toolchain), the demo model, and profiles built in tests."""
+"""Shared fixtures: tiny real models (toolchain), the demo model, and profiles built in tests;
+and the markers that say what a test needs from the machine (tests/README.md, "Running part of
+the suite"), put on each test at collection so that `-m "not rabbitmq"` and the like select."""
 
 from __future__ import annotations
 
 import copy
 import tomllib
-from collections.abc import Callable, Mapping
+import types
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +66,81 @@ def empty_config(tmp_path: Path) -> str:
     path = tmp_path / "agent.toml"
     path.write_text("")
     return str(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Markers by what a test needs (registered in pyproject.toml; nothing is skipped by them)
+
+# a test starts a broker when its function, a fixture it uses, or a tests.* function that one
+# of those calls names the class that starts it
+STARTS = {"Mosquitto": "broker", "RabbitMQ": "rabbitmq", "RabbitCluster": "rabbitmq"}
+# whole files: the Debian roots (debootstrap), qemu-user, systemd-nspawn, all as root
+BY_FILE = {
+    "tests/system/test_arm.py": ("emulation", "root", "slow"),
+    "tests/system/test_systemd_boot.py": ("emulation", "nspawn", "root", "slow"),
+}
+# files that take more than 60 s on a 2-core machine with the tiny models cached (--durations)
+SLOW_FILES = frozenset(
+    {
+        "tests/system/test_client_dist.py",
+        "tests/system/test_daemon.py",
+        "tests/system/test_fleet_rabbitmq.py",
+        "tests/system/test_updates.py",
+        "tests/system/test_wheel.py",
+        "tests/unit/operator/test_fleet_scale.py",
+        "tests/unit/ota/test_update_clock.py",
+        "tests/unit/ota/test_update_reports.py",
+    }
+)
+
+
+def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _codes(const)
+
+
+def _needs(fn: Any, seen: set[Any]) -> set[str]:
+    """The markers of STARTS that `fn`'s code, or a tests.* function it names, calls for."""
+    fn = getattr(fn, "__wrapped__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None or fn in seen:
+        return set()
+    seen.add(fn)
+    found: set[str] = set()
+    scope = getattr(fn, "__globals__", {})
+    for c in _codes(code):
+        for name in c.co_names:
+            if name in STARTS:
+                found.add(STARTS[name])
+            other = scope.get(name)
+            if isinstance(other, types.FunctionType) and other.__module__.startswith("tests."):
+                found |= _needs(other, seen)
+    return found
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(str(config.rootpath))
+    cache: dict[Any, set[str]] = {}
+
+    def needs(fn: Any) -> set[str]:
+        if fn not in cache:
+            cache[fn] = _needs(fn, set())
+        return cache[fn]
+
+    for item in items:
+        marks: set[str] = set()
+        path = Path(str(item.path))
+        rel = path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
+        marks.update(BY_FILE.get(rel, ()))
+        if rel in SLOW_FILES:
+            marks.add("slow")
+        function = getattr(item, "function", None)
+        if function is not None:
+            marks |= needs(function)
+        info = getattr(item, "_fixtureinfo", None)
+        for defs in info.name2fixturedefs.values() if info is not None else ():
+            marks |= needs(defs[-1].func)
+        for mark in sorted(marks):
+            item.add_marker(mark)
