@@ -24,10 +24,9 @@ The Python API (what `edge-agent fleet rollout ...` and tests/support/fleetsim.p
     resume(store_dir, rollout_id) then run_rollout(...)  # or run_rollout(..., resume=True)
 
 `run_rollout` holds the rollout's lock (`<store_dir>/<id>.lock`) for its whole run: a second
-process on the same rollout gets `RolloutBusy` naming the holder's pid. `stop` (a
-threading.Event) makes it save the state and return (state still "running": another
-`run_rollout` resumes it). KeyboardInterrupt is raised through after the state is saved.
-`clock` (default time.time) is the wall clock every persisted time is taken from.
+process on the same rollout gets `RolloutBusy` naming the holder's pid. `stop` (an Event) makes it
+save the state and return (still "running": another `run_rollout` resumes it); so does
+KeyboardInterrupt, raised through. `clock` (default time.time) stamps every persisted time.
 
 The rules (which device, when a wave ends, when it halts) are pure, in
 `agent.operator.rollout.plan`; this module only feeds them what the one connection hears, writes
@@ -42,6 +41,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 from typing import Final
 
@@ -143,7 +143,8 @@ def create_rollout(
         created_unix=now,
     )
     r = plan.create(spec, now)
-    RolloutStore(store_dir).create(r)
+    with closing(RolloutStore(store_dir)) as store:
+        store.create(r)
     log.info("rollout %s created: update %s to %s", rid, spec.update_id, target.describe())
     return r
 
@@ -162,8 +163,7 @@ def start_rollout(
     rollout_id: str | None = None,
 ) -> str:
     """`create_rollout` with the positional order first agreed with tests/support/fleetsim.py;
-    returns
-    the rollout's id (run it with `run_rollout`). `opts` is not used: nothing is sent yet."""
+    returns the rollout's id (run it with `run_rollout`). `opts` is unused: nothing is sent."""
     del opts
     r = create_rollout(
         store_dir, bundle, target, waves, prefix=prefix, min_devices=min_devices,
@@ -174,7 +174,8 @@ def start_rollout(
 
 
 def load_rollout(store_dir: Path, rollout_id: str) -> Rollout:
-    return RolloutStore(store_dir).load(rollout_id)
+    with closing(RolloutStore(store_dir)) as store:
+        return store.load(rollout_id)
 
 
 def request(
@@ -183,20 +184,20 @@ def request(
     """Pause, abort or retry-failed (`what`: "pause" | "abort" | "retry"). With no process
     running the rollout it is done here and the new rollout returned; else it is left for the
     running process (which takes it within a second) and None returned."""
-    store = RolloutStore(store_dir)
-    r = store.load(rollout_id)
-    _COMMANDS[what](r, clock())  # refused now (RolloutError) if it cannot be done at all
-    try:
-        held = store.lock(rollout_id)
-    except RolloutBusy:
-        store.request(rollout_id, what)
-        return None
-    try:
-        r = _COMMANDS[what](store.load(rollout_id), clock())
-        store.save(r)
-        return r
-    finally:
-        held.release()
+    with closing(RolloutStore(store_dir)) as store:
+        r = store.load(rollout_id)
+        _COMMANDS[what](r, clock())  # refused now (RolloutError) if it cannot be done at all
+        try:
+            held = store.lock(rollout_id)
+        except RolloutBusy:
+            store.request(rollout_id, what)
+            return None
+        try:
+            r = _COMMANDS[what](store.load(rollout_id), clock())
+            store.save(r)
+            return r
+        finally:
+            held.release()
 
 
 def retry_failed(store_dir: Path, rollout_id: str, clock: Clock = time.time) -> Rollout | None:
@@ -214,6 +215,7 @@ def resume(store_dir: Path, rollout_id: str, clock: Clock = time.time) -> Rollou
         return r
     finally:
         held.release()
+        store.close()
 
 
 def run_rollout(
@@ -244,6 +246,7 @@ def run_rollout(
         return driver.run(stop)
     finally:
         held.release()
+        store.close()
 
 
 class _Driver:
@@ -385,8 +388,7 @@ class _Driver:
                 if self.r.state != State.RUNNING:
                     break
                 try:
-                    # a pump returns after each packet: the rules run every TICK_S, not per
-                    # message (165 times a second in a 1,000-device rollout before)
+                    # a pump returns after each packet: the rules run every TICK_S, not per message
                     until = time.monotonic() + TICK_S
                     while (left := until - time.monotonic()) > 0:
                         link.pump(left)

@@ -31,6 +31,8 @@ from pathlib import Path
 import pytest
 
 from agent.operator.rollout import plan
+from agent.operator.rollout.run import load_rollout
+from agent.operator.rollout.state import to_json
 from tests.support.broker import Mosquitto
 from tests.support.fleetsim import FleetSim, SimDevice, SimModels, scratch_root
 from tests.support.paths import ROOT
@@ -237,7 +239,7 @@ def test_with_10_percent_failing_it_halts_at_the_first_wave_over_the_threshold(
 
 
 def _state(store: Path, rollout_id: str) -> dict:  # type: ignore[type-arg]
-    return json.loads((store / f"{rollout_id}.json").read_text())  # type: ignore[no-any-return]
+    return to_json(load_rollout(store, rollout_id))
 
 
 def test_an_operator_killed_mid_rollout_resumes_and_offers_no_device_twice(

@@ -24,8 +24,14 @@ from agent.config.file import parse_broker
 from agent.fleet.mqtt import MqttOptions
 from agent.operator.rollout import plan
 from agent.operator.rollout.report import RolloutReport
-from agent.operator.rollout.run import create_rollout, request, retry_failed, run_rollout
-from agent.operator.rollout.state import State, Target
+from agent.operator.rollout.run import (
+    create_rollout,
+    load_rollout,
+    request,
+    retry_failed,
+    run_rollout,
+)
+from agent.operator.rollout.state import RolloutError, State, Target, to_json
 from agent.operator.rollout.store import RolloutStore
 from tests.support.broker import Mosquitto
 from tests.support.fleetsim import FleetSim, SimDevice, SimModels
@@ -198,8 +204,8 @@ def test_it_halts_at_the_first_wave_over_the_threshold_and_retry_is_the_only_sec
 
 def _state(store: Path, rollout_id: str) -> dict:  # type: ignore[type-arg]
     try:
-        return json.loads((store / f"{rollout_id}.json").read_text())  # type: ignore[no-any-return]
-    except (FileNotFoundError, ValueError):
+        return to_json(load_rollout(store, rollout_id))
+    except RolloutError:  # not written yet
         return {}
 
 

@@ -1,6 +1,7 @@
-"""The rollout's pure rules (agent/operator/rollout/plan.py), its state file and lock
-(rollout_store.py) and report: waves, hash order, quotas, the threshold, soak, retries, and
-that no crash between the state's write and the offers can lead to a second offer."""
+"""The rollout's pure rules (agent/operator/rollout/plan.py), its store and lock
+(rollout/store.py; more in test_rollout_store.py) and report: waves, hash order, quotas, the
+threshold, soak, retries, and that no crash between the state's write and the offers can lead
+to a second offer."""
 
 from __future__ import annotations
 
@@ -320,7 +321,7 @@ def rollouts(draw: st.DrawFn) -> Rollout:
         Device(d, draw(st.integers(0, 2)), draw(st.sampled_from(list(Status))),
                draw(st.integers(0, 3)), draw(text), draw(text), draw(text), draw(floats),
                draw(floats), draw(floats), draw(floats), draw(st.booleans()))
-        for d in ids
+        for d in sorted(ids)  # a Rollout's devices are sorted by id
     )  # fmt: skip
     base = plan.create(spec(rollout_id=draw(st.from_regex(r"[a-z0-9]{1,9}", fullmatch=True))), T0)
     waves = tuple(
@@ -348,7 +349,8 @@ def test_the_store_writes_atomically_and_refuses_what_it_cannot_read(tmp_path: P
     assert store.load("r1") == r and store.ids() == ["r1"]
     with pytest.raises(RolloutError, match="exists"):
         store.create(r)
-    assert [p.name for p in (tmp_path / "rollouts").iterdir()] == ["r1.json"]  # no temp left
+    store.close()
+    assert [p.name for p in (tmp_path / "rollouts").iterdir()] == ["rollouts.db"]  # no temp left
     (tmp_path / "rollouts" / "bad.json").write_text('{"format": 1}')
     with pytest.raises(RolloutError, match=r"bad\.json: not a rollout state file"):
         store.load("bad")

@@ -11,8 +11,8 @@ import shutil
 from pathlib import Path
 
 from agent.model.directory import load_model_dir, write_model_dir_metadata
-from agent.operator.rollout.run import create_rollout
-from agent.operator.rollout.state import Target
+from agent.operator.rollout.run import create_rollout, load_rollout
+from agent.operator.rollout.state import Target, to_json
 from agent.ota.artifact.bundle import make_bundle
 from tests.support.broker import Mosquitto
 from tests.support.fleetsim import SimDevice, SimModels
@@ -102,7 +102,7 @@ def test_a_target_that_matches_nothing_ends_the_rollout(
                           "--id", "r-none", *conn(broker, config, store))  # fmt: skip
     assert done.returncode == 1 and "matches --target group:nobody" in done.stderr
     assert "Traceback" not in done.stderr
-    state = json.loads((store / "r-none.json").read_text())
+    state = to_json(load_rollout(store, "r-none"))
     assert state["state"] == "aborted" and "nothing was offered" in state["reason"]
     assert state["spec"]["connection"]["broker"] == broker.url  # kept for resume
     listed = edge_agent("fleet", "rollout", "status", "--json", "--rollouts-dir", str(store))
