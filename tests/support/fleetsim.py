@@ -1,4 +1,5 @@
-"""A fleet simulator for tests and benchmarks: many device agents in one process.
+"""A fleet simulator for tests and benchmarks: many device agents in one process (`FleetSim`),
+or in several (`FleetShards`, 1,000 a process: what a 10,000-device benchmark needs).
 
 Every simulated device runs the agent's real fleet side and real update machine:
 
@@ -911,3 +912,124 @@ class FleetSim:
             agent.stop()
         except Exception:  # a device that cannot say goodbye must not stop the others
             log.exception("fleetsim: %s did not stop cleanly", rt.spec.device_id)
+
+
+# ----------------------------------------------------------------------------- many processes
+
+
+PER_PROCESS: Final = 1000  # devices per simulator process in `FleetShards` (one thread each)
+
+
+class FleetShards:
+    """`devices` split over `processes` child processes (spawned), each a `FleetSim` of its
+    share: one process holds a thread and three descriptors per device, and one interpreter's
+    GIL runs them all, so 10,000 devices are ten processes of 1,000 (bench_fleet.py). Same
+    arguments as FleetSim; the queries are per fleet (`phases`, `offer_counts`), one round
+    trip per process. `pids` are the children's, for their CPU and RSS."""
+
+    def __init__(
+        self,
+        broker_url: str,
+        root: Path,
+        devices: Sequence[SimDevice],
+        *,
+        processes: int = 0,  # 0: one per PER_PROCESS devices
+        start_timeout_s: float = 600.0,
+        **kwargs: Any,
+    ) -> None:
+        n = processes or max(1, -(-len(devices) // PER_PROCESS))
+        self.shares = [list(devices[i::n]) for i in range(n)]
+        self.broker_url, self.root, self.kwargs = broker_url, root, kwargs
+        self.start_timeout_s = start_timeout_s
+        self.pids: list[int] = []
+        self._conns: list[Any] = []
+        self._procs: list[Any] = []
+        self.started_s = 0.0
+
+    def start(self) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads
+        t0 = time.monotonic()
+        for k, share in enumerate(self.shares):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(
+                target=_shard_main, name=f"fleetsim-{k}",
+                args=(theirs, self.broker_url, self.root / f"shard-{k}", share, self.kwargs),
+            )  # fmt: skip
+            proc.start()
+            theirs.close()
+            self._conns.append(mine)
+            self._procs.append(proc)
+            self.pids.append(int(proc.pid or 0))
+        for conn in self._conns:
+            if not conn.poll(self.start_timeout_s):
+                raise TimeoutError("fleetsim: a shard did not start in time")
+            try:
+                what, value = conn.recv()
+            except EOFError:
+                what, value = "error", "a shard process exited while starting"
+            if what != "ready":
+                raise RuntimeError(f"fleetsim shard: {value}")
+        self.started_s = time.monotonic() - t0
+
+    def _ask(self, what: str) -> list[Any]:
+        for conn in self._conns:
+            conn.send(what)
+        return [conn.recv() for conn in self._conns]
+
+    def phases(self) -> dict[str, str]:
+        return {k: v for part in self._ask("phases") for k, v in part.items()}
+
+    def offer_counts(self) -> dict[str, int]:
+        return {k: v for part in self._ask("offers") for k, v in part.items()}
+
+    def threads(self) -> int:
+        return sum(self._ask("threads"))
+
+    def stop(self) -> None:
+        for conn, proc in zip(self._conns, self._procs, strict=True):
+            with contextlib.suppress(OSError, EOFError):
+                conn.send("stop")
+                conn.poll(120) and conn.recv()
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self._conns, self._procs = [], []
+
+    def __enter__(self) -> FleetShards:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _shard_main(
+    conn: Any, broker_url: str, root: Path, devices: list[SimDevice], kwargs: dict[str, Any]
+) -> None:
+    """A `FleetShards` child: its FleetSim, then answers to the parent until "stop"."""
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        sim = FleetSim(broker_url, root, devices, **kwargs)
+        sim.start(timeout_s=600)
+    except BaseException as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise
+    conn.send(("ready", sim.started_s))
+    answers: dict[str, Callable[[], Any]] = {
+        "phases": lambda: {d: sim.phase(d) for d in sim.device_ids()},
+        "offers": lambda: {d: sim.offers(d) for d in sim.device_ids()},
+        "threads": sim.threads,
+    }
+    try:
+        while (what := conn.recv()) != "stop":
+            conn.send(answers[what]())
+    finally:
+        sim.stop()
+        conn.send("stopped")
