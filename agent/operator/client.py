@@ -172,13 +172,13 @@ def _live(
 ) -> None:
     """Redraw until Ctrl-C or `stop`; `current[0]` is the link, replaced on reconnects. Not on
     a `screen`: no cursor codes, and a new table only when something changed."""
-    url = current[0].url
     status = ""  # while disconnected: why, in place of the title
     drawn_at = -REFRESH_S
 
     def draw() -> None:
         nonlocal drawn_at
         columns, lines = (size or _terminal_size)()
+        url = current[0].url  # the node we are on now (a cluster: it changes on failover)
         title = status or f"edge-agent fleet watch · {url} · {view.prefix} · Ctrl-C quits"
         rows = max(1, lines - HEADER_LINES - 1)
         table = render(view, time.time(), columns, rows, filter=shown[0], group=shown[1])

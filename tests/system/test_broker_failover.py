@@ -3,7 +3,7 @@ broker_rabbitmq.py's RabbitCluster; docs/FLEET.md, "Broker clusters"): the node 
 daemon's link is on is killed (SIGKILL, as a machine dies) during health reports and in the
 middle of an update's MQTT block download, and the device is back on the next node of its
 `broker = [...]` list within 30 s with every outbox event delivered and the update finished;
-the operator's `fleet send` survives its own node dying.
+the operator's `fleet send` and `fleet watch` survive their own node dying.
 
 Deterministic: every step waits on something observable (a log line, a message seen by an
 observer on a node that stays up, a block request held by the test's block server); a dead
@@ -12,13 +12,15 @@ node is started again in the background and waited for before the next test.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
@@ -27,6 +29,7 @@ import pytest
 from agent.config.file import parse_broker
 from agent.fleet.mqtt import MqttOptions, decode_message
 from agent.fleet.topics import Topics
+from agent.operator.client import watch
 from agent.operator.link import _client_id, _Link
 from agent.operator.publish import Offer, read_offer
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
@@ -146,9 +149,16 @@ def test_a_dead_node_during_health_reports(
         assert time.monotonic() - killed < FAILOVER_S
         assert back.session > birth.session
         n0.launch()  # back in the background; the next test waits for it
-        mark = len(watch.seen)
-        health = watch.wait(lambda s: s.topic == topics.health, 30, mark)
-        assert fpb.Health.FromString(health.payload).session == back.session
+        # health goes on in the new session (a health of the old one that was in flight at
+        # the kill may come first: paho sends it again after the reconnect)
+        watch.wait(
+            lambda s: (
+                s.topic == topics.health
+                and fpb.Health.FromString(s.payload).session == back.session
+            ),
+            30,
+            mark,
+        )
         sent = subprocess.run(
             operator("send", device, "reload", brokers=[n1], config=op),
             capture_output=True,
@@ -313,3 +323,65 @@ def test_fleet_send_survives_its_node_dying(
         d.signal(signal.SIGCONT)
         assert d.stop() == 0, d.read_log()
         watch.close()
+
+
+class Screen(io.StringIO):
+    """What `fleet watch` draws, readable from the test's thread while it writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self.lock:
+            return super().write(text)
+
+    def text(self) -> str:
+        with self.lock:
+            return self.getvalue()
+
+    def wait(self, pred: Callable[[str], bool], timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while not pred(got := self.text()):
+            assert time.monotonic() < deadline, f"not drawn within {timeout} s:\n{got[-3000:]}"
+            time.sleep(0.05)
+        return got
+
+
+def test_fleet_watch_survives_its_node_dying(
+    tiny_model_dir: Path, tmp_path: Path, nodes: list[RabbitMQ]
+) -> None:
+    """`fleet watch` on node 0 (of n0, n2) shows a device that is on node 1; node 0 dies; the
+    table says DISCONNECTED, then comes back titled with node 2 and shows the device again
+    (live health: RabbitMQ sends no retained copy to `+/health`)."""
+    n0, n1, n2 = nodes
+    device = "dev-fo-watch"
+    d = start(tmp_path, tiny_model_dir, device, config([n1, n2]))
+    urls = [parse_broker("test", "broker", b.url) for b in (n0, n2)]
+    opts = MqttOptions(urls[0], other_brokers=(urls[1],), protocol="3.1.1")
+    screen, stop = Screen(), threading.Event()
+    watcher = threading.Thread(
+        target=watch,
+        args=(opts, PREFIX),
+        kwargs={
+            "once": False,
+            "out": screen,
+            "stop": stop,
+            "screen": False,
+            "size": lambda: (200, 40),
+        },
+    )
+    try:
+        connected_to(d, n1)
+        watcher.start()
+        screen.wait(lambda t: f"· {n0.url} ·" in t and device in t)
+        n0.kill()
+        gone = screen.wait(lambda t: "DISCONNECTED" in t)
+        at = gone.index("DISCONNECTED")
+        screen.wait(lambda t: f"· {n2.url} ·" in t[at:] and device in t[t.index(n2.url, at) :])
+        n0.launch()
+    finally:
+        stop.set()
+        if watcher.is_alive():
+            watcher.join(30)
+        assert d.stop() == 0, d.read_log()
