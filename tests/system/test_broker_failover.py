@@ -34,7 +34,7 @@ from agent.operator.link import _client_id, _Link
 from agent.operator.publish import Offer, read_offer
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
-from tests.support.broker_rabbitmq import RabbitCluster, RabbitMQ
+from tests.support.broker_rabbitmq import RabbitCluster, RabbitMQ, _mqtt_connects
 from tests.support.daemon_harness import Daemon
 from tests.system.test_fleet_rabbitmq import FLEET, PREFIX, Observer
 from tests.system.test_updates import Models, big_models, bundle, trusted  # noqa: F401  (fixtures)
@@ -68,8 +68,6 @@ def nodes(cluster: RabbitCluster) -> list[RabbitMQ]:
 
 
 def _answers(node: RabbitMQ) -> bool:
-    from tests.support.broker_rabbitmq import _mqtt_connects
-
     return _mqtt_connects(node.port)
 
 
