@@ -62,7 +62,9 @@ def apply_overrides(config: AgentConfig, o: Overrides) -> AgentConfig:
         model = dataclasses.replace(model, quantization=o.quantization)
     fleet = config.fleet
     if o.broker is not None:
-        fleet = dataclasses.replace(fleet, broker=parse_broker("--broker", "broker", o.broker))
+        # the command line's broker replaces the config's whole list, failover nodes included
+        broker = parse_broker("--broker", "broker", o.broker)
+        fleet = dataclasses.replace(fleet, broker=broker, other_brokers=())
     if o.device_id is not None:
         try:
             check_device_id(o.device_id)

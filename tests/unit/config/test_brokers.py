@@ -105,3 +105,16 @@ def test_the_operators_link_connects_to_the_first_broker_that_answers(tmp_path: 
     finally:
         live.stop()
         other.stop()
+
+
+def test_run_broker_replaces_the_whole_list() -> None:
+    """`edge-agent run --broker URL` names the one broker to use: the config's failover nodes
+    do not come back behind it."""
+    from agent.daemon.plan import Overrides, apply_overrides
+
+    config = parse_config({"fleet": {"broker": ["mqtt://a.lan", "mqtt://b.lan"]}}, SRC)
+    fleet = apply_overrides(config, Overrides(broker="mqtt://c.lan:1884")).fleet
+    assert fleet.broker == Broker("c.lan", 1884, False) and fleet.other_brokers == ()
+    assert apply_overrides(config, Overrides()).fleet.other_brokers == (
+        Broker("b.lan", 1883, False),
+    )
