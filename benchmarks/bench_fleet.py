@@ -9,6 +9,9 @@
    system) and peak RSS (GNU time), its state database's size, mosquitto's RSS (idle with the
    fleet connected; its peak, VmHWM) and CPU during the rollout, each wave's duration (from the
    rollout's report), and the simulator processes' start time, RSS, threads and CPU.
+   `--rules 1000,10000,50000`: the operator's rules and state store alone, without broker or
+   devices (`rules_run`), each size in a process of its own: CPU and peak RSS of a whole
+   rollout's decisions and saves.
 2. **`fleet watch --once` and `fleet inventory` with 10,000 and 50,000 devices.** One client
    publishes a retained `state` and `health` for each device (no agents), then each command
    runs as its own process: wall time, CPU and peak RSS; and Python's start-up alone (`--help`
@@ -17,7 +20,7 @@
 Never part of the test command (a 10,000-device run takes many minutes on 2 cores).
 
     python benchmarks/bench_fleet.py [--devices 1000,3000,10000] [--processes 0]
-        [--inventory-devices 10000,50000] [--rounds 3] [--save R.json] [--load R.json]
+        [--rules 1000,10000,50000] [--inventory-devices 10000,50000] [--rounds 3] [--save R.json] [--load R.json]
         [--no-write]
 """
 
@@ -224,6 +227,68 @@ def bench_rollout(tmp: Path, n: int, processes: int) -> dict[str, Any]:
     return result
 
 
+# ----------------------------------------------------------------------------- 1b. the rules alone
+
+PHASES = ("RECEIVED", "DOWNLOADING", "VERIFIED", "STAGED", "ACTIVATING", "TRIAL", "COMMITTED")
+
+
+def rules_run(n: int, store_dir: Path) -> dict[str, Any]:
+    """The operator's driver loop without broker or devices, in this process: `n` online
+    devices, each offered one reporting the 7 phases of an update one tick (0.2 simulated s)
+    after another; `plan.step` every tick, a save before each offer and at most once a
+    simulated second otherwise, as agent/operator/rollout/run.py does. CPU s, peak RSS."""
+    import resource
+
+    from agent.operator.rollout import plan
+    from agent.operator.rollout.state import Spec, State, Target
+    from agent.operator.rollout.store import RolloutStore
+
+    now = 1_800_000_000.0
+    spec = Spec("bench", "u-1", "/b.tar", "m", "1.1.0", "ab" * 32, Target("all"),
+                (0.01, 0.1, 0.5, 1.0), 1, 0.05, 1800.0, 1.0, PREFIX, now)  # fmt: skip
+    seen = {f"dev-{i:05d}": plan.Seen(f"dev-{i:05d}", "online") for i in range(n)}
+    store = RolloutStore(store_dir)
+    r = plan.create(spec, now)
+    store.create(r)
+    progress: dict[str, int] = {}
+    heard = saves = ticks = 0
+    saved_at = now
+    c0, t0 = time.process_time(), time.monotonic()
+    while r.state == State.RUNNING:
+        now += 0.2
+        ticks += 1
+        for d, k in list(progress.items()):
+            r = plan.learn(r, d, plan.Heard("u-1", PHASES[k], "", "", now, live=True), now)
+            heard += 1
+            if k + 1 == len(PHASES):
+                del progress[d]
+            else:
+                progress[d] = k + 1
+        before = r
+        r, offers = plan.step(r, seen, now)
+        if offers or r.wave != before.wave or r.state != before.state or now - saved_at >= 1:
+            store.save(r)
+            saves, saved_at = saves + 1, now
+        progress.update(dict.fromkeys(offers, 0))
+    store.close()
+    cpu, wall = time.process_time() - c0, time.monotonic() - t0
+    db = sum(f.stat().st_size for f in store_dir.glob("rollouts.db*"))
+    return {
+        "devices": n, "state": r.state.value, "statuses": heard, "ticks": ticks, "saves": saves,
+        "cpu_s": cpu, "wall_s": wall, "cpu_per_status_ms": 1000 * cpu / max(1, heard),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "db_mib": _mib(db / 1024),
+    }  # fmt: skip
+
+
+def bench_rules(tmp: Path, n: int) -> dict[str, Any]:
+    """`rules_run` in a process of its own (its peak RSS is its own)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, str(Path(__file__).resolve()), "--rules-run", str(n), str(tmp)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
 # ----------------------------------------------------------------------------- 2. watch, inventory
 
 
@@ -346,82 +411,100 @@ def bench_inventory(tmp: Path, n: int, rounds: int) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- report
 
 
-def body(rolls: list[dict[str, Any]], invs: list[dict[str, Any]], machine: str) -> str:
-    sizes = ", ".join(f"{r['devices']:,}" for r in rolls)
+def body(data: dict[str, Any]) -> str:
+    rolls, invs, rules = data["rollouts"], data["inventory"], data.get("rules", [])
     lines = [
-        "## Fleet at scale (rollouts to up to 10,000 simulated devices, 50,000 retained)",
+        "## Fleet at scale (rollouts, the operator's rules to 50,000 devices, 50,000 retained)",
         "",
-        f"`benchmarks/bench_fleet.py`, {machine}, one mosquitto on loopback. The devices are",
-        "tests/support/fleetsim.py's: each the real fleet link and the real update machine",
+        f"`benchmarks/bench_fleet.py`, {data['machine']}, one mosquitto on loopback. The devices",
+        "are tests/support/fleetsim.py's: each the real fleet link and the real update machine",
         "(signatures, MQTT block download, delta patching, store on tmpfs) against a stub",
         "engine, 1,000 devices per simulator process (`FleetShards`); the operator is `edge-agent",
         "fleet rollout start --target all --waves 1%,10%,50%,100% --soak 1s` as its own process,",
-        "its state in SQLite (WAL, a row per device). Trial 1 s, health every 30 s. The",
-        "simulator shares the machine's cores with the operator and the broker, so the rollout",
-        "time is the simulator's more than the operator's.",
+        "its state in SQLite (WAL, a row per device; docs/ROLLOUTS.md). Trial 1 s, health every",
+        "30 s. The simulator shares the machine's cores with the operator and the broker.",
         "",
-        f"**Rollouts to {sizes} devices** (each completed, every device committed and offered",
-        "once, unless the row says otherwise):",
-        "",
-        "| devices | sim processes | rollout wall | waves (s) | operator CPU | operator peak RSS "
-        "| state db | mosquitto CPU | mosquitto peak RSS | simulator CPU | simulator peak RSS |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rolls:
-        waves = " / ".join(f"{w['duration_s']:.0f}" for w in r["waves"])
-        odd = ""
-        if r["state"] != "completed" or r["offered_once"] != r["devices"]:
-            odd = f" ({r['state']}, {r['committed']} committed, {r['offered_once']} offered once)"
-        lines.append(
-            f"| {r['devices']:,}{odd} | {r['processes']} | {r['rollout_wall_s']:.0f} s | {waves} "
-            f"| {r['operator_cpu_s']:.1f} s | {r['operator_peak_rss_mib']:.0f} MiB "
-            f"| {r['state_db_mib']:.1f} MiB | {r['broker_cpu_s']:.1f} s "
-            f"| {r['broker_hwm_mib']:.0f} MiB | {r['sim_cpu_s']:.0f} s "
-            f"| {r['sim_peak_rss_mib']:.0f} MiB |"
-        )
-    big = rolls[-1]
+    if rolls:
+        lines += [
+            "| devices | sim processes | rollout wall | waves (s) | operator CPU | operator peak "
+            "RSS | state db | mosquitto CPU | mosquitto peak RSS | simulator CPU | simulator "
+            "peak RSS |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rolls:
+            waves = " / ".join(f"{w['duration_s']:.0f}" for w in r["waves"])
+            lines.append(
+                f"| {r['devices']:,} ({r['state']}, {r['committed']:,} committed, "
+                f"{r['offered_once']:,} offered once) | {r['processes']} "
+                f"| {r['rollout_wall_s']:.0f} s | {waves} | {r['operator_cpu_s']:.1f} s "
+                f"| {r['operator_peak_rss_mib']:.0f} MiB | {r['state_db_mib']:.1f} MiB "
+                f"| {r['broker_cpu_s']:.1f} s | {r['broker_hwm_mib']:.0f} MiB "
+                f"| {r['sim_cpu_s']:.0f} s | {r['sim_peak_rss_mib']:.0f} MiB |"
+            )
+        lines.append("")
+    lines += [*data.get("notes", []), ""] if data.get("notes") else []
+    if rules:
+        lines += [
+            "**The operator's rules and state store alone** (`--rules`; no broker, no devices,",
+            "in one process: every device online, each offered one reporting the 7 phases of",
+            "an update one 0.2 s tick after another, `plan.step` every tick, the state saved",
+            "before each offer and at most once a second otherwise, as the running rollout",
+            "does). What the operator's CPU grows with, apart from MQTT:",
+            "",
+            "| devices | statuses heard | CPU, whole rollout | per status heard | peak RSS "
+            "| state db |",
+            "|---|---|---|---|---|---|",
+        ]
+        for x in rules:
+            lines.append(
+                f"| {x['devices']:,} | {x['statuses']:,} | {x['cpu_s']:.1f} s "
+                f"| {x['cpu_per_status_ms']:.3f} ms | {x['peak_rss_mib']:.0f} MiB "
+                f"| {x['db_mib']:.1f} MiB |"
+            )
+        lines.append("")
     lines += [
+        "Limits met on the way to 10,000: paho waits with select(), which fails past ~330",
+        "clients a process (FD_SETSIZE 1024, three descriptors a client; the simulator patches",
+        "in poll()); mosquitto takes one descriptor per client and has no connection limit by",
+        "default (`max_connections -1`), so its RLIMIT_NOFILE is the limit: the benchmark",
+        "raises the soft limit to the device count + 1,024 before starting it (the hard limit",
+        "here is 20,000).",
         "",
-        f"At {big['devices']:,} devices the simulator starts its devices in "
-        f"{big['start_s']:.0f} s ({big['processes']} processes, {big['sim_threads']:,} threads:",
-        "one per device, the fleet link's network thread), idles at "
-        f"{big['sim_idle_cpu_cores']:.2f} cores and {big['sim_idle_rss_mib']:.0f} MiB; mosquitto",
-        f"holds the idle fleet in {big['broker_idle_rss_mib']:.0f} MiB. Limits met on the way:",
-        "paho waits with select(), which fails past ~330 clients a process (FD_SETSIZE 1024,",
-        "three descriptors a client; the simulator patches in poll()); mosquitto takes one",
-        "descriptor per client and has no connection limit by default (`max_connections -1`),",
-        "so its RLIMIT_NOFILE is the limit: the benchmark raises the soft limit to the",
-        "device count + 1,024 before starting it (the hard limit here is 20,000).",
-        "",
-        "**`fleet watch` and `fleet inventory`** against retained devices (a retained `state`",
-        "and `health` each, published by one client; no agents). Each command as its own",
-        "process, median of the rounds; the `--once` commands wait for 1 s without a retained",
-        "message (`--settle`, the default) before they print.",
-        "",
-        "| command | "
-        + " | ".join(f"{i['devices']:,} devices: wall / CPU / peak RSS" for i in invs)
-        + " |",
-        "|---|" + "---|" * len(invs),
     ]
-    for name in invs[0]["commands"]:
-        cells = []
-        for i in invs:
-            c = i["commands"][name]
-            cells.append(f"{c['wall_s']:.2f} s / {c['cpu_s']:.2f} s / {c['peak_rss_mib']:.0f} MiB")
-        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "Publishing took "
-        + ", ".join(f"{i['publish_s']:.0f} s for {i['devices']:,}" for i in invs)
-        + "; mosquitto then held "
-        + ", ".join(f"{i['broker_rss_mib']:.0f} MiB" for i in invs)
-        + ". One redraw of the live `fleet watch` (160x40, every device sorted) takes "
-        + ", ".join(f"{i['redraw_ms']['render 40 rows']:.0f} ms" for i in invs)
-        + ", the inventory's rows "
-        + ", ".join(f"{i['redraw_ms']['inventory rows']:.0f} ms" for i in invs)
-        + " (in-process, median).",
-    ]
-    return "\n".join(lines)
+    if invs:
+        lines += [
+            "**`fleet watch` and `fleet inventory`** against retained devices (a retained",
+            "`state` and `health` each, published by one client; no agents). Each command as",
+            "its own process, median of the rounds; the `--once` commands wait for 1 s without",
+            "a retained message (`--settle`, the default) before they print.",
+            "",
+            "| command | "
+            + " | ".join(f"{i['devices']:,} devices: wall / CPU / peak RSS" for i in invs)
+            + " |",
+            "|---|" + "---|" * len(invs),
+        ]
+        for name in invs[0]["commands"]:
+            cells = []
+            for i in invs:
+                c = i["commands"][name]
+                cells.append(
+                    f"{c['wall_s']:.2f} s / {c['cpu_s']:.2f} s / {c['peak_rss_mib']:.0f} MiB"
+                )
+            lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+        lines += [
+            "",
+            "Publishing took "
+            + ", ".join(f"{i['publish_s']:.0f} s for {i['devices']:,}" for i in invs)
+            + "; mosquitto then held "
+            + ", ".join(f"{i['broker_rss_mib']:.0f} MiB" for i in invs)
+            + ". One redraw of the live `fleet watch` (160x40, every device sorted) takes "
+            + ", ".join(f"{i['redraw_ms']['render 40 rows']:.0f} ms" for i in invs)
+            + ", the inventory's rows "
+            + ", ".join(f"{i['redraw_ms']['inventory rows']:.0f} ms" for i in invs)
+            + " (in-process, median).",
+        ]
+    return "\n".join(lines).rstrip("\n")
 
 
 def _sizes(text: str) -> list[int]:
@@ -434,6 +517,8 @@ def main() -> None:
     ap.add_argument("--processes", type=int, default=0, help="simulator processes (0: n/1000)")
     ap.add_argument("--inventory-devices", default="10000,50000")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each watch/inventory command")
+    ap.add_argument("--rules", default="1000,10000,50000", help="sizes of the rules-alone run")
+    ap.add_argument("--rules-run", nargs=2, metavar=("N", "DIR"), help=argparse.SUPPRESS)
     ap.add_argument("--save", metavar="JSON", help="also write the results here")
     ap.add_argument("--load", metavar="JSON", help="write the section from saved results only")
     ap.add_argument("--no-write", action="store_true", help="print only, do not touch docs/")
@@ -442,12 +527,19 @@ def main() -> None:
 
     logging.basicConfig(level=logging.WARNING)
     machine = f"{os.cpu_count()} cores {platform.machine()}, Python {platform.python_version()}"
+    if args.rules_run:
+        print(json.dumps(rules_run(int(args.rules_run[0]), Path(args.rules_run[1]))))
+        return
     if args.load:
         data = json.loads(Path(args.load).read_text())
     else:
-        data = {"machine": machine, "rollouts": [], "inventory": []}
+        data = {"machine": machine, "rollouts": [], "inventory": [], "rules": []}
         with tempfile.TemporaryDirectory(prefix="bench-fleet-") as d:
             tmp = Path(d)
+            for n in _sizes(args.rules):
+                rules = bench_rules(tmp / f"rules-{n}", n)
+                print(json.dumps(rules), flush=True)
+                data["rules"].append(rules)
             for n in _sizes(args.devices):
                 roll = bench_rollout(tmp / f"rollout-{n}", n, args.processes)
                 print(json.dumps(roll, indent=2), flush=True)
@@ -458,7 +550,7 @@ def main() -> None:
                 data["inventory"].append(inv)
         if args.save:
             Path(args.save).write_text(json.dumps(data, indent=2) + "\n")
-    text = body(data["rollouts"], data["inventory"], data["machine"])
+    text = body(data)
     print(text)
     if not args.no_write:
         write_section("fleet", data, text)

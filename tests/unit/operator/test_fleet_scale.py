@@ -34,7 +34,7 @@ from agent.operator.rollout import plan
 from agent.operator.rollout.run import load_rollout
 from agent.operator.rollout.state import to_json
 from tests.support.broker import Mosquitto
-from tests.support.fleetsim import FleetSim, SimDevice, SimModels, scratch_root
+from tests.support.fleetsim import FleetShards, FleetSim, SimDevice, SimModels, scratch_root
 from tests.support.paths import ROOT
 
 N = 1000
@@ -236,6 +236,25 @@ def test_with_10_percent_failing_it_halts_at_the_first_wave_over_the_threshold(
         assert by_reason == {code.get(b, b): n for b, n in reasons.items()}
         assert rep["failed"] == sum(reasons.values())
         assert rep["committed"] == len(offered) - rep["failed"]
+
+
+def test_a_rollout_reaches_devices_simulated_in_several_processes(
+    broker: Mosquitto, models: SimModels, root: Path, config: Path, tmp_path: Path
+) -> None:
+    """`FleetShards`, which bench_fleet.py runs 10,000 devices with: the devices of three
+    processes are one fleet to the operator, and the queries gather every process's."""
+    ids = [f"dev-{i:04d}" for i in range(60)]
+    bundle = models.bundle(tmp_path / "u1.tar", version=1)
+    devices = [SimDevice(d) for d in ids]
+    with FleetShards(broker.url, root, devices, processes=3, trusted_keys_dir=models.trusted,
+                     shipped=models.shipped, health_interval_s=30.0) as sim:  # fmt: skip
+        assert len(set(sim.pids)) == 3 and sim.threads() >= 60
+        rep = run(rollout(broker, config, tmp_path / "rollouts", "start", str(bundle),
+                          "--target", "all", "--waves", "10%,100%", "--soak", "1s",
+                          "--id", "r-shards"))  # fmt: skip
+        assert rep["state"] == "completed" and rep["committed"] == 60
+        assert sim.offer_counts() == dict.fromkeys(ids, 1)
+        assert sim.phases() == dict.fromkeys(ids, "committed")
 
 
 def _state(store: Path, rollout_id: str) -> dict:  # type: ignore[type-arg]
