@@ -20,8 +20,8 @@
 Never part of the test command (a 10,000-device run takes many minutes on 2 cores).
 
     python benchmarks/bench_fleet.py [--devices 1000,3000,10000] [--processes 0]
-        [--rules 1000,10000,50000] [--inventory-devices 10000,50000] [--rounds 3] [--save R.json] [--load R.json]
-        [--no-write]
+        [--rules 1000,10000,50000] [--inventory-devices 10000,50000] [--rounds 3]
+        [--save R.json] [--load R.json] [--no-write]
 """
 
 from __future__ import annotations
