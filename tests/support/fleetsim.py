@@ -634,9 +634,11 @@ class FleetSim:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self, timeout_s: float = 60) -> None:
+    def start(self, timeout_s: float = 600) -> None:
         """Start every device with `start_online`, in batches of `batch`; return when each
-        one's birth (ONLINE, its current session) is on the broker."""
+        one's birth (ONLINE, its current session) is on the broker. `timeout_s` is a limit for
+        a device that never comes up, never a speed: a thousand devices take 10 s on an idle
+        machine and several times that beside other work."""
         t0 = time.monotonic()
         self._thread.start()
         self._observer = _Observer(MqttOptions.from_config(self.fleet), self.prefix)
