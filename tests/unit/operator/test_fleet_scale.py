@@ -200,7 +200,7 @@ def test_with_10_percent_failing_it_halts_at_the_first_wave_over_the_threshold(
     devices = [SimDevice(d, behaviour=behaviour.get(d, "ok")) for d in ids]
     bundle = models.bundle(tmp_path / "u1.tar", version=1)
     argv = rollout(broker, config, tmp_path / "rollouts", "start", str(bundle), "--target", "all",
-                   "--waves", "1%,10%,50%,100%", "--soak", "1s", "--wave-timeout", "30s",
+                   "--waves", "1%,10%,50%,100%", "--soak", "1s", "--wave-timeout", "120s",
                    "--min-devices", str(min_devices), "--max-failure-rate", "5%",
                    "--id", rid)  # fmt: skip
     with fleet(broker, models, root, devices) as sim:
