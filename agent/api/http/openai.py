@@ -187,7 +187,9 @@ class Api:
         """Queue the request: `engine.submit` renders and tokenizes the prompt (a 1 MiB
         message takes ~0.5 s) and compiles its constraint, so it runs on a worker thread
         while the event loop serves everyone else (`submit_off_loop`)."""
-        events: EventPipe[TokenEvent] = EventPipe(asyncio.get_running_loop())
+        events: EventPipe[TokenEvent] = EventPipe(
+            asyncio.get_running_loop(), first_alone=True
+        )  # the first token goes out alone, however late the loop wakes
         sink = events.put
         metrics = self._metrics
         if metrics is not None:
