@@ -201,7 +201,7 @@ def test_extraction_happens_once_and_is_reused(
     bundle: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     cache = tmp_path / "cache"
-    with caplog.at_level(logging.INFO, logger="agent.runtime"):
+    with caplog.at_level(logging.INFO, logger="agent.model"):
         first = open_model(bundle, cache)
     model = first.directory / first.variants[0].file
     stamp = model.stat().st_mtime_ns
@@ -211,7 +211,7 @@ def test_extraction_happens_once_and_is_reused(
     for part in ("3 TFLiteModel", "embedder", "4 TFLiteModel", "npu", "5 GenericBinaryData"):
         assert part in ignored[0].getMessage()
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="agent.runtime"):
+    with caplog.at_level(logging.INFO, logger="agent.model"):
         again = open_model(bundle, cache)
     assert again == first
     assert model.stat().st_mtime_ns == stamp
