@@ -319,9 +319,11 @@ class RolloutStore:
         return [w for w in REQUESTS if (self.directory / f"{rollout_id}.{w}").exists()]
 
     def done(self, rollout_id: str, what: str) -> None:
-        """A request was carried out (its file, which `request` made, goes)."""
+        """A request was carried out (its file, which `request` made, goes, for good: a retry
+        that came back after a power cut would be carried out twice)."""
         with contextlib.suppress(FileNotFoundError):
             (self.directory / f"{rollout_id}.{what}").unlink()
+            sync_dir(self.directory)
 
 
 def _device_row(d: Device) -> str:
