@@ -65,8 +65,10 @@ def send_many(
     """Send `command` to every online device of `targets`; a Result per target, by device id.
 
     `on_result` sees each result as it is known (the offline ones first). Raises FleetError
-    only if the broker cannot be reached at the start; a connection lost on the way makes the
-    devices still waiting `not_sent`/`no_answer` with the reason.
+    only if the broker cannot be reached at the start. A connection lost on the way is opened
+    again (through the first of `opts.brokers` that answers) and the unanswered commands sent
+    again; when that fails too, the devices still waiting are `not_sent`/`no_answer` with the
+    reason.
     """
     if not COMMAND_RE.fullmatch(command):
         raise FleetError(f"command {command!r} must match {COMMAND_RE.pattern}")
@@ -106,33 +108,72 @@ def send_many(
         ok = resp.code == pb.CommandResponse.OK
         finish(Result(p.device, Outcome.OK if ok else Outcome.ERROR, "", resp))
 
-    link = _Link(opts, _client_id(requester), on_message)
+    def open_link() -> _Link:
+        link = _Link(opts, _client_id(requester), on_message)
+        try:
+            deadline = time.monotonic() + timeout_s
+            link.connect(deadline)
+            link.subscribe([(f"{prefix}/+/resp/{requester}", 1)], deadline)
+        except BaseException:
+            link.close()
+            raise
+        return link
+
+    def publish(device_id: str) -> None:
+        topics = Topics(prefix, device_id)
+        reply_topic = topics.response(requester)
+        correlation = waiting[device_id][0]
+        cmd = pb.Command(args=dict(args or {}), body=body)
+        if not opts.v5:
+            cmd.reply_topic, cmd.correlation = reply_topic, correlation
+        payload, props = outgoing(opts, cmd, response_topic=reply_topic, correlation=correlation)
+        link.publish(topics.command(command), payload, props, time.monotonic() + timeout_s)
+
+    link = open_link()
+    # a lost connection: connect again (to the first node that answers: a cluster's others)
+    # and send the unanswered commands again, the same correlation (one may run twice); as
+    # many times as there are brokers, so a flapping broker cannot keep the run going
+    failovers = len(opts.brokers)
     try:
-        deadline = time.monotonic() + timeout_s
-        link.connect(deadline)
-        link.subscribe([(f"{prefix}/+/resp/{requester}", 1)], deadline)
         log.info("sending %s to %d devices, %d at a time", command, len(todo), max_in_flight)
         gone = ""
+
+        def lost(exc: FleetError) -> None:
+            nonlocal link, failovers, gone
+            while failovers and not gone:
+                failovers -= 1
+                log.warning("%s; connecting again", exc)
+                link.close()
+                try:
+                    link = open_link()
+                except FleetError as again:
+                    exc = again
+                    continue
+                for device_id in list(waiting):  # their answers may have gone with the node
+                    waiting[device_id] = (waiting[device_id][0], time.monotonic())
+                    try:
+                        publish(device_id)
+                    except FleetError as again:
+                        if link.lost:
+                            exc = again
+                            break
+                        del waiting[device_id]
+                        finish(Result(device_id, Outcome.NOT_SENT, str(again)))
+                else:
+                    return
+            gone = gone or str(exc)
+
         while todo or waiting:
             while todo and len(waiting) < max_in_flight and not gone:
                 device_id = todo.popleft()
-                topics = Topics(prefix, device_id)
-                reply_topic = topics.response(requester)
-                correlation = secrets.token_bytes(16)
-                cmd = pb.Command(args=dict(args or {}), body=body)
-                if not opts.v5:
-                    cmd.reply_topic, cmd.correlation = reply_topic, correlation
-                payload, props = outgoing(
-                    opts, cmd, response_topic=reply_topic, correlation=correlation
-                )
                 # waiting first: an answer that comes while we wait for the PUBACK counts
-                waiting[device_id] = (correlation, time.monotonic())
+                waiting[device_id] = (secrets.token_bytes(16), time.monotonic())
                 try:
-                    link.publish(
-                        topics.command(command), payload, props, time.monotonic() + timeout_s
-                    )
+                    publish(device_id)
                 except FleetError as exc:
-                    if waiting.pop(device_id, None) is not None:  # not answered meanwhile
+                    if link.lost:
+                        lost(exc)  # sends it again with the others waiting
+                    elif waiting.pop(device_id, None) is not None:  # refused, not answered
                         finish(Result(device_id, Outcome.NOT_SENT, str(exc)))
             now = time.monotonic()
             for device_id, (_, sent) in list(waiting.items()):
@@ -147,9 +188,9 @@ def send_many(
                 try:
                     link.pump(max(0.0, min(_PUMP_S, first + timeout_s - now)))
                 except FleetError as exc:
-                    gone = str(exc)
+                    lost(exc)
         for device_id in list(waiting):
-            finish(Result(device_id, Outcome.NO_ANSWER, f"no answer before we {gone}"))
+            finish(Result(device_id, Outcome.NO_ANSWER, f"no answer, then: {gone}"))
         for device_id in todo:
             finish(Result(device_id, Outcome.NOT_SENT, gone))
     finally:

@@ -198,6 +198,11 @@ class _Link:
         if code.is_failure:
             raise FleetError(f"{self.url} refused our publish to {topic}: {code}")
 
+    @property
+    def lost(self) -> bool:
+        """Whether the connection went away (not: the broker refused one request)."""
+        return self._gone is not None or not self.client.is_connected()
+
     def _check(self, rc: MQTTErrorCode, what: str) -> None:
         if rc != mqtt.MQTT_ERR_SUCCESS:
             raise FleetError(f"cannot {what} on {self.url}: {self._why(rc)}")

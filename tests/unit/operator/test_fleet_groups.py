@@ -4,6 +4,7 @@ and `fleet inventory` read what they really announce."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -28,7 +29,7 @@ from agent.fleet.mqtt import MqttOptions
 from agent.fleet.topics import Topics
 from agent.operator.client import watch
 from agent.operator.digest import Presence
-from agent.operator.fanout import MAX_IN_FLIGHT, Outcome, send_many
+from agent.operator.fanout import MAX_IN_FLIGHT, Outcome, Result, send_many
 from agent.operator.inventory import InventoryRow, inventory, split_model
 from agent.operator.render import inventory_json, inventory_table, render
 from agent.operator.view import FleetView
@@ -403,6 +404,53 @@ def test_send_many_keeps_16_unanswered_on_one_connection(tmp_path: Path) -> None
     assert sorted(responder.received) == sorted(d for d, o in outcomes.items() if o == "ok")
     # never more than 16 unanswered, and the sender did fill the window (waiting for answers)
     assert responder.most == MAX_IN_FLIGHT
+
+
+def test_send_many_fails_over_to_the_next_broker_and_sends_the_unanswered_again(
+    tmp_path: Path,
+) -> None:
+    """Two brokers (a cluster's nodes, as the operator sees them): the first dies with 16
+    commands sent and none answered; the run connects to the second, sends those 16 again and
+    the rest, and every device answers there — no `not_sent`, no `no_answer`."""
+    first, second = Mosquitto(tmp_path / "n1"), Mosquitto(tmp_path / "n2")
+    prefix, now = "fleet/failover", time.time()
+    view = FleetView(prefix)
+    for i in range(24):
+        st = State(state=State.ONLINE, session=1, device_id=f"d{i:02d}", timestamp_unix=now)
+        view.update(f"{prefix}/d{i:02d}/state", st.SerializeToString(), now)
+    silent = Responder(first, prefix, hold=10**6, idle_s=1e9)  # takes commands, never answers
+    answering = Responder(second, prefix, hold=1)
+    opts = dataclasses.replace(
+        options(first), other_brokers=(parse_broker("test", "broker", second.url),)
+    )
+    results: dict[str, Result] = {}
+    run = threading.Thread(
+        target=lambda: results.update(
+            send_many(opts, prefix, inventory(view, None), "ping", timeout_s=120)
+        )
+    )
+    try:
+        run.start()
+        deadline = time.monotonic() + 120  # a safety limit, not a speed
+        while len(silent.received) < MAX_IN_FLIGHT and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(silent.received) == MAX_IN_FLIGHT  # the window is full, nothing answered
+        assert first.proc is not None
+        first.proc.kill()  # the node dies (no clean shutdown)
+        first.proc.wait()
+        run.join(240)
+        assert not run.is_alive()
+    finally:
+        silent.close()
+        answering.close()
+        first.stop()
+        second.stop()
+    assert {d: r.outcome for d, r in results.items()} == {
+        f"d{i:02d}": Outcome.OK for i in range(24)
+    }
+    # the 16 sent to the dead node were sent again, and the other 8 went to the second only
+    assert sorted(answering.received) == [f"d{i:02d}" for i in range(24)]
+    assert set(silent.received) <= set(answering.received)
 
 
 def options(broker: Mosquitto) -> MqttOptions:
