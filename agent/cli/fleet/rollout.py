@@ -1,10 +1,11 @@
 """`edge-agent fleet rollout start|status|pause|resume|abort|retry-failed`: a signed update
 offered wave by wave, halting itself past a failure threshold (docs/ROLLOUTS.md).
 
-Exit codes: 0 the rollout completed (`status`, `pause`, `abort`, `retry-failed`: done as
-asked); 1 it halted, was aborted or paused, another process runs it, or the broker could not be
-reached; 2 usage, configuration or bundle errors, an unknown rollout id, a command its state
-does not allow; 130 interrupted (the state is kept: `resume` continues).
+Exit codes: 0 the rollout completed, every named target device updated (`status`, `pause`,
+`abort`, `retry-failed`: done as asked); 1 it halted, was aborted or paused, a named device was
+not updated, another process runs it, or the broker could not be reached; 2 usage,
+configuration or bundle errors, an unknown rollout id, a command its state does not allow;
+130 interrupted (the state is kept: `resume` continues).
 """
 
 from __future__ import annotations
@@ -60,8 +61,15 @@ def _print_report(args: argparse.Namespace, report) -> None:  # type: ignore[no-
         print("\n".join(report.lines()), flush=True)
 
 
-def _exit_for(state: str) -> int:
-    return 0 if state == "completed" else EXIT_FAILED
+def _exit_for(report) -> int:  # type: ignore[no-untyped-def]
+    """0 only when the rollout completed and updated every device it named (a named device
+    never online, failed or rolled back is a failure even under the threshold)."""
+    if report.state == "completed" and not report.succeeded:
+        missed = ", ".join(f"{d} ({why})" for d, why in report.not_updated)
+        n, total = len(report.not_updated), report.target.count(" ") + 1
+        print(f"edge-agent: rollout {report.rollout_id} completed, but {n} of {total} named "
+              f"devices were not updated: {missed}", file=sys.stderr)  # fmt: skip
+    return 0 if report.succeeded else EXIT_FAILED
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -103,7 +111,7 @@ def _run(args: argparse.Namespace, opts: MqttOptions, rollout_id: str, *, resume
         )
         return EXIT_INTERRUPTED
     _print_report(args, report)
-    return _exit_for(report.state)
+    return _exit_for(report)
 
 
 def cmd_rollout_start(args: argparse.Namespace) -> int:
@@ -233,7 +241,7 @@ def add_rollout_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     top = sub.add_parser(
         "rollout",
         help="offer a signed update wave by wave; halts itself past a failure threshold",
-        description="docs/ROLLOUTS.md. State: one file per rollout in --rollouts-dir.",
+        description="docs/ROLLOUTS.md. State: one SQLite database (rollouts.db) in --rollouts-dir.",
     )
     rsub = top.add_subparsers(dest="rollout_command", required=True)
 
@@ -241,8 +249,8 @@ def add_rollout_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
         p.add_argument(
             "--rollouts-dir",
             metavar="D",
-            help="where rollout state files live (default: $XDG_STATE_HOME/edge-agent/rollouts"
-            ", else ~/.local/state/edge-agent/rollouts)",
+            help="the directory of the rollouts' state database, rollouts.db (default: "
+            "$XDG_STATE_HOME/edge-agent/rollouts, else ~/.local/state/edge-agent/rollouts)",
         )
         p.add_argument("--json", action="store_true", help="the report as one JSON object")
 
@@ -277,7 +285,8 @@ def add_rollout_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
         "--wave-timeout",
         default="30m",
         metavar="T",
-        help="a device not final T after its offer failed: timeout (default: 30m)",
+        help="a device not final T after its offer failed: timeout; a named device not online "
+        "T after its wave started failed: never_online (default: 30m)",
     )
     p.add_argument(
         "--soak",
@@ -290,7 +299,7 @@ def add_rollout_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     _connection_args(p)
     p.set_defaults(func=cmd_rollout_start)
 
-    p = rsub.add_parser("status", help="a rollout's report from its state file (no broker)")
+    p = rsub.add_parser("status", help="a rollout's report from its stored state (no broker)")
     p.add_argument("rollout_id", nargs="?", metavar="ID", help="(default: list every rollout)")
     common(p)
     p.set_defaults(func=cmd_rollout_status)

@@ -119,7 +119,7 @@ def target_ids(spec: Spec, seen: Mapping[str, Seen]) -> set[str]:
 
 @dataclass(frozen=True, slots=True)
 class Tally:
-    offered: int  # devices offered (latest attempt), excused ones left out
+    offered: int  # devices offered (latest attempt) or never online, excused ones left out
     finished: int  # ... of them final
     failed: int
     reasons: tuple[tuple[str, int], ...]
@@ -130,7 +130,15 @@ class Tally:
 
 
 def tally(devices: Iterable[Device]) -> Tally:
-    counted = [d for d in devices if d.attempt >= 1 and not d.excused and d.status != Status.RETRY]
+    """Over the devices offered (latest attempt) and the named ones never online to offer to
+    (failed, attempt 0: `never_online`)."""
+    counted = [
+        d
+        for d in devices
+        if (d.attempt >= 1 or d.status == Status.FAILED)
+        and not d.excused
+        and d.status != Status.RETRY
+    ]
     finished = [d for d in counted if d.status in (Status.COMMITTED, Status.FAILED)]
     failed = [d for d in finished if d.status == Status.FAILED]
     reasons = Counter(d.reason for d in failed)
@@ -147,8 +155,22 @@ def _fail(d: Device, reason: str, message: str, now: float) -> Device:
     )
 
 
+def _never_online(device_id: str, r: Rollout, s: Seen | None, now: float) -> Device:
+    """A named target device the wave waited for in vain: failed, never offered."""
+    last = f"last seen {s.presence}" if s is not None else "never seen"
+    why = (
+        f"not online within {r.spec.wave_timeout_s:g} s of wave {r.wave + 1}'s start "
+        f"({last}); not offered"
+    )
+    return Device(device_id, r.wave, Status.FAILED, reason="never_online", message=why,
+                  final_unix=now)  # fmt: skip
+
+
 def step(r: Rollout, seen: Mapping[str, Seen], now: float) -> tuple[Rollout, tuple[str, ...]]:
-    """The rollout at `now` and the devices to offer to (already marked offered in it)."""
+    """The rollout at `now` and the devices to offer to (already marked offered in it). A
+    named target device (`--target DEV`) that the wave's quota wants but that is not online
+    holds the wave up to the wave timeout from its start; then it has failed (`never_online`),
+    counted against the threshold as an offered device that failed."""
     if r.state != State.RUNNING:
         return r, ()
     spec, devs = r.spec, r.by_id()
@@ -177,6 +199,7 @@ def step(r: Rollout, seen: Mapping[str, Seen], now: float) -> tuple[Rollout, tup
     if not wave.started_unix:
         wave = dataclasses.replace(wave, started_unix=now)
     offers: list[str] = []
+    waiting = False  # a named target device the quota wants is not online yet
     if not over_threshold(spec, tally(devs.values())):
         retry = (
             d for d in devs.values()
@@ -190,7 +213,15 @@ def step(r: Rollout, seen: Mapping[str, Seen], now: float) -> tuple[Rollout, tup
         need = quota(wave.fraction, len(pool)) - len(counted)
         if need > 0:  # ordering every free device at every tick cost 10,000 devices 30 ms
             free = (d for d in pool - counted if d in seen and seen[d].online)
-            offers += ordered(spec.rollout_id, free)[:need]
+            fresh = ordered(spec.rollout_id, free)[:need]
+            offers += fresh
+            if spec.target.kind == "devices" and len(fresh) < need:
+                # named devices the quota wants are not online: the wave waits for them up to
+                # the wave timeout from its start, then the first in the order have failed
+                waiting = now < wave.started_unix + spec.wave_timeout_s
+                absent = [] if waiting else ordered(spec.rollout_id, pool - counted - set(fresh))
+                for device_id in absent[: need - len(fresh)]:
+                    devs[device_id] = _never_online(device_id, r, seen.get(device_id), now)
     for device_id in offers:
         old = devs.get(device_id)
         devs[device_id] = Device(
@@ -204,7 +235,7 @@ def step(r: Rollout, seen: Mapping[str, Seen], now: float) -> tuple[Rollout, tup
         )
     state: State = r.state
     reason, halts, index, skipped = r.reason, r.halts, r.wave, r.skipped
-    if offers or any(d.status in IN_FLIGHT for d in devs.values()):
+    if offers or waiting or any(d.status in IN_FLIGHT for d in devs.values()):
         wave = dataclasses.replace(wave, settled_unix=0.0)
     else:
         mine = [d for d in devs.values() if d.wave == r.wave and d.attempt >= 1]

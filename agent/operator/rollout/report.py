@@ -54,6 +54,13 @@ class RolloutReport:
     failure_rate: float  # over the devices counted against the threshold
     devices: tuple[dict[str, Any], ...]  # per device: id, wave, attempt, status, reason, phase
     skipped: tuple[str, ...] = ()  # target devices never online while it ran (once completed)
+    # named target devices (`--target DEV`) not committed nor already on the target, with why
+    not_updated: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def succeeded(self) -> bool:
+        """Completed, and every named target device updated (or already on the target)."""
+        return self.state == State.COMPLETED and not self.not_updated
 
     def to_json(self) -> dict[str, Any]:
         waves = [
@@ -84,6 +91,7 @@ class RolloutReport:
             "waves": waves,
             "devices": list(self.devices),
             "skipped": list(self.skipped),
+            "not_updated": dict(self.not_updated),
         }
 
     def lines(self) -> list[str]:
@@ -108,6 +116,9 @@ class RolloutReport:
         )
         if self.skipped:
             out.append(f"  never online, not offered: {' '.join(self.skipped)}")
+        if self.not_updated and self.state != State.RUNNING:
+            named = ", ".join(f"{d} ({why})" for d, why in self.not_updated)
+            out.append(f"  named devices not updated: {named}")
         return out
 
 
@@ -119,7 +130,7 @@ def report(r: Rollout) -> RolloutReport:
     for w in r.waves:
         mine = by_wave[w.index]
         offered = [d for d in mine if d.attempt >= 1]
-        failed = [d for d in offered if d.status == Status.FAILED]
+        failed = [d for d in mine if d.status == Status.FAILED]  # never_online: not offered
         if w.ended_unix:
             state = "ended"
         elif w.index == r.wave and r.state == State.HALTED:
@@ -171,4 +182,20 @@ def report(r: Rollout) -> RolloutReport:
         failure_rate=tally(r.devices).rate,
         devices=devices,
         skipped=r.skipped,
+        not_updated=_not_updated(r),
     )
+
+
+def _not_updated(r: Rollout) -> tuple[tuple[str, str], ...]:
+    if r.spec.target.kind != "devices":
+        return ()
+    done = (Status.COMMITTED, Status.ALREADY)
+    by_id = r.by_id()
+    out = []
+    for device_id in r.spec.target.devices:
+        d = by_id.get(device_id)
+        if d is None:
+            out.append((device_id, "not offered"))
+        elif d.status not in done:
+            out.append((device_id, d.reason if d.status == Status.FAILED else d.status.value))
+    return tuple(out)

@@ -3,6 +3,10 @@
 `agent.operator.view.FleetView`: late Wills, out-of-order health and both encodings handled
 there), and the last update status each health carries.
 
+A device heard live (a health or state as it is published, not a retained copy) with no state
+known is online: a broker that sends no retained message to wildcard subscriptions (RabbitMQ
+3.10, docs/FLEET.md) shows a rollout only live messages, and one of them is as good.
+
 Pure (messages in, `Seen` out): the driver feeds it every state and health message its one
 connection receives; a device's `Seen` is rebuilt only when one of its messages changed it.
 """
@@ -13,6 +17,7 @@ import time
 
 from agent.fleet.codec import ContentType, PayloadError, decode
 from agent.fleet.topics import parse
+from agent.operator.digest import Presence
 from agent.operator.inventory import inventory_row
 from agent.operator.rollout.plan import Heard, Seen
 from agent.operator.view import FleetView
@@ -48,9 +53,12 @@ class RolloutView:
                 self.seen.pop(p.device, None)
             else:
                 row = inventory_row(d)
+                presence = row.presence.value
+                if row.presence is Presence.UNKNOWN and d.live_unix:
+                    presence = "online"  # no state yet, but it publishes now
                 self.seen[p.device] = Seen(
                     p.device,
-                    row.presence.value,
+                    presence,
                     row.group,
                     row.model,
                     row.version,

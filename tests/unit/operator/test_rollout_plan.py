@@ -77,10 +77,11 @@ def run(
     *,
     until: float = T0 + 10_000,
     dt: float = 5.0,
+    start: float = T0,
 ) -> tuple[Rollout, list[tuple[int, str]]]:
-    """Step the rollout every `dt` s; every offered device answers at once with the phase in
-    `answer` (default COMMITTED). Returns the rollout and the (wave, device) offers in order."""
-    now, offers = T0, []
+    """Step the rollout every `dt` s from `start`; every offered device answers at once with the
+    phase in `answer` (default COMMITTED). Returns the rollout and the (wave, device) offers."""
+    now, offers = start, []
     while now < until and r.state == State.RUNNING:
         r, sent = plan.step(r, seen, now)
         for d in sent:
@@ -202,6 +203,71 @@ def test_a_device_coming_online_mid_rollout_is_offered_in_the_current_wave() -> 
     seen[late2] = Seen(late2, "online")
     r, last = plan.step(r, seen, T0 + 4)
     assert late2 in last and len(last) == 6  # the 100% wave takes everyone left
+
+
+def test_a_named_device_not_online_holds_the_wave_and_is_offered_when_it_comes() -> None:
+    named = Target("devices", devices=("a", "b", "c"))
+    seen = online(["a", "b"])  # c: not heard of yet
+    r = plan.create(spec(named, waves=(1.0,), soak_s=0.0), T0)
+    r, sent = plan.step(r, seen, T0)
+    assert set(sent) == {"a", "b"}
+    for d in sent:
+        r = plan.learn(r, d, ok(), T0 + 1)
+    r, _ = plan.step(r, seen, T0 + 50)  # a and b final: the wave still waits for c
+    assert r.state == State.RUNNING and not r.waves[0].settled_unix
+    seen |= online(["c"])  # heard at last (a live health is enough: test_rollout_view.py)
+    r, sent = plan.step(r, seen, T0 + 99)
+    assert sent == ("c",)
+    r = plan.learn(r, "c", ok(), T0 + 100)
+    r, _ = plan.step(r, seen, T0 + 101)
+    assert r.state == State.COMPLETED and report(r).succeeded
+    assert report(r).committed == 3 and report(r).not_updated == ()
+
+
+def test_a_named_device_never_online_fails_at_the_wave_timeout_and_counts() -> None:
+    """hawkBit's and AWS IoT Jobs' way: a targeted device that never comes online is a failed
+    target, not a success; under the threshold the rollout completes, but not successfully."""
+    named = Target("devices", devices=("a", "b", "c", "d"))
+    seen = online(["a", "b", "c"]) | {"d": Seen("d", "offline")}
+    r, offers = run(plan.create(spec(named, waves=(1.0,), max_failure_rate=0.3), T0), seen)
+    assert sorted(d for _, d in offers) == ["a", "b", "c"]
+    d = r.device("d")
+    assert d is not None and (d.status, d.reason, d.attempt) == (Status.FAILED, "never_online", 0)
+    assert d.final_unix == T0 + 100  # the wave timeout from the wave's start, not before
+    assert "not online within 100 s of wave 1's start (last seen offline)" in d.message
+    rep = report(r)
+    assert r.state == State.COMPLETED and not rep.succeeded  # 1 of 4: 25% <= 30%
+    assert rep.not_updated == (("d", "never_online"),) and r.skipped == ()
+    assert (rep.offered, rep.committed, rep.failed) == (3, 3, 1)
+    assert rep.waves[0].failed_by_reason == (("never_online", 1),)
+    assert "  named devices not updated: d (never_online)" in rep.lines()
+    # over the threshold it halts, as any failure does; retry-failed offers it once it is online
+    r, _ = run(plan.create(spec(named, waves=(1.0,), max_failure_rate=0.2), T0), seen)
+    assert r.state == State.HALTED and "never_online 1" in r.reason
+    r = plan.resume(plan.retry_failed(r, T0 + 200), T0 + 201)
+    r, sent = plan.step(r, seen | online(["d"]), T0 + 202)
+    assert sent == ("d",) and r.device("d").attempt == 1  # type: ignore[union-attr]
+
+
+def test_named_devices_pass_over_absent_ones_and_a_wave_with_none_fails_its_first() -> None:
+    ids = [f"d{i}" for i in range(10)]
+    order = plan.ordered("r1", ids)
+    named = Target("devices", devices=tuple(ids))
+    r = plan.create(spec(named, waves=(0.1, 1.0), max_failure_rate=1.0, soak_s=0.0), T0)
+    # wave 1 (quota 1) with nobody online: it waits, then its first in the order has failed
+    r, sent = plan.step(r, {}, T0)
+    assert sent == () and r.wave == 0 and r.state == State.RUNNING
+    r, sent = plan.step(r, {}, T0 + 99)
+    assert sent == () and r.devices == ()
+    r, sent = plan.step(r, {}, T0 + 100)
+    assert [(d.device_id, d.wave, d.reason) for d in r.devices] == [(order[0], 0, "never_online")]
+    # wave 2 (100%): the online ones are offered, the absent one waits, then fails there
+    seen = online([d for d in ids if d != order[1]])
+    r, offers = run(r, seen, start=T0 + 101)
+    assert r.state == State.COMPLETED and sorted(d for _, d in offers) == sorted(order[2:])
+    failed = [(d.device_id, d.wave) for d in r.devices if d.status == Status.FAILED]
+    assert failed == sorted([(order[0], 0), (order[1], 1)])
+    assert not report(r).succeeded
 
 
 # ----------------------------------------------------------------------------- failures
