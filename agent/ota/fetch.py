@@ -51,6 +51,16 @@ def _open_part(path: Path, total: int) -> tuple[BinaryIO, int]:
     return f, have
 
 
+def _close(f: BinaryIO) -> None:
+    """Flush, fsync and close `f`; closed even when the flush fails (ENOSPC: the buffered tail
+    does not fit), so no descriptor outlives the download and the cleanup frees the space."""
+    try:
+        f.flush()
+        os.fsync(f.fileno())
+    finally:
+        f.close()  # (a failing flush again; the descriptor is released all the same)
+
+
 def _append(f: BinaryIO, data: bytes, have: int, total: int) -> int:
     if have + len(data) > total:
         raise PayloadTooLarge(
@@ -96,9 +106,7 @@ def fetch_http(url: str, dest: Path, total: int, progress: Progress, stop: threa
             if have == total and resp.read(1):
                 raise PayloadTooLarge(f"{url} sends more than the declared {total} bytes")
     finally:
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
+        _close(f)
     if not stop.is_set() and have < total:
         raise DownloadFailed(f"GET {url}: the connection ended at {have} of {total} bytes")
 
@@ -137,9 +145,7 @@ def fetch_blocks(
                 f.flush()
                 os.fsync(f.fileno())
     finally:
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
+        _close(f)
 
 
 class RateLimit:
