@@ -28,7 +28,7 @@ from agent.fleet.mqtt import MqttOptions, decode_message, outgoing
 from agent.fleet.topics import Topics, parse
 from agent.operator.client import watch
 from agent.operator.digest import Presence
-from agent.operator.link import _client_id, _Link, read_answer
+from agent.operator.link import FleetError, _client_id, _Link, read_answer
 from agent.ota.artifact.bundle import BundleError, Payload, read_bundle
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
@@ -161,6 +161,9 @@ class Offer:
                 return True
             ours = event.WhichOneof("kind") == "update"
             if ours and event.update.update_id == self.manifest.update_id:
+                # the device reports on our update: it has the offer, whether or not the
+                # command's answer reaches us (it may be lost with a broker node)
+                self._waiting.pop(p.device, None)
                 self.on_status(p.device, event.update, "event")
         else:
             return False
@@ -222,7 +225,8 @@ def publish_update(
     """Offer `bundle` to `devices` and follow them until each is final or `timeout_s` passes.
 
     `on_status` sees each distinct status of a device once (the command's answer and the
-    device's report of the same transition are one status), none after a final one."""
+    device's report of the same transition are one status), none after a final one. A lost
+    connection is opened again through the first of `opts.brokers` that answers."""
     signed, manifest, payload = read_offer(bundle)
     progress = {d: Progress(d) for d in devices}
     seen: dict[str, set[bytes]] = {d: set() for d in devices}
@@ -242,16 +246,41 @@ def publish_update(
     def on_message(msg: mqtt.MQTTMessage) -> None:
         offer.handle(link, msg)
 
-    link = _Link(opts, _client_id("publish"), on_message)
+    def open_link() -> _Link:
+        new = _Link(opts, _client_id("publish"), on_message)
+        try:
+            new.connect(deadline)
+            new.subscribe(offer.filters(), deadline)
+        except BaseException:
+            new.close()
+            raise
+        return new
+
+    link = open_link()
+    offer.follow(devices)
+    sent: set[str] = set()
+    # a lost connection is opened again (through the first broker that answers: a cluster's
+    # next node), as many times as there are brokers; commands the broker took are not sent
+    # again (the devices' reports come through the new node; a block asked for is asked again)
+    failovers = len(opts.brokers)
     try:
-        link.connect(deadline)
-        link.subscribe(offer.filters(), deadline)
-        offer.follow(devices)
-        for d in devices:  # the manifest, as the body of the update command
-            offer.send(link, d, deadline)
-        while not all(p.final for p in progress.values()) and time.monotonic() < deadline:
-            link.pump(min(0.2, max(0.0, deadline - time.monotonic())))
-            offer.expire()
+        while True:
+            try:
+                for d in devices:  # the manifest, as the body of the update command
+                    if d not in sent:
+                        offer.send(link, d, deadline)
+                        sent.add(d)
+                while not all(p.final for p in progress.values()) and time.monotonic() < deadline:
+                    link.pump(min(0.2, max(0.0, deadline - time.monotonic())))
+                    offer.expire()
+                break
+            except FleetError as exc:
+                if not (link.lost and failovers and time.monotonic() < deadline):
+                    raise
+                failovers -= 1
+                log.warning("%s; connecting again", exc)
+                link.close()
+                link = open_link()
     finally:
         link.close()
     for d, n in offer.blocks_served.items():
