@@ -296,7 +296,7 @@ def _shared_cache(
     reference, so weights that were not the same would show there."""
     if acc != "xnnpack" or interpreter or not prepared.fresh:
         return None
-    cache = weight_cache_path(profile, prepared.cache_key)
+    cache = weight_cache_path(profile, prepared.cache_key, prepared.path)
     if cache == IN_MEMORY_WEIGHT_CACHE or os.path.exists(cache):
         return None
     return cache
@@ -332,7 +332,7 @@ def _open(
             raise AcceleratorError("a dispatch-library NPU needs ai-edge-litert's CompiledModel")
         return CompiledRunner(path, layout, "npu", threads, None, npu.library), "compiled"
     path = prepared.path
-    cache = weight_cache_path(profile, prepared.cache_key) if acc == "xnnpack" else None
+    cache = weight_cache_path(profile, prepared.cache_key, path) if acc == "xnnpack" else None
     if prefer_interpreter:
         runner = InterpreterRunner(path, layout, acc, threads, None, profile.runtime.backend)
         runner.hold_cache_files(profile.runtime.xnnpack_weight_cache_dir, prepared.cache_key)

@@ -10,6 +10,7 @@ no runner of this process still runs (`hold`, `release`).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -17,6 +18,7 @@ import threading
 from pathlib import Path
 from typing import Final
 
+from agent.model import room
 from agent.profile import DeviceProfile
 
 log = logging.getLogger("agent.runtime.litert")  # moved from litert.py: its lines keep their name
@@ -98,7 +100,9 @@ def remember_no_windows(directory: Path, cache_key: str | None, reason: str) -> 
         log.warning("cannot remember that KV windows failed (%s)", exc)
 
 
-def weight_cache_path(profile: DeviceProfile, cache_key: str | None) -> str:
+def weight_cache_path(
+    profile: DeviceProfile, cache_key: str | None, model: Path | None = None
+) -> str:
     """The XNNPACK weight cache for a model: a file in the profile's directory, else memory.
 
     `CpuOptions.xnnpack_weight_cache_path` is a file (a directory makes XNNPACK log an error and
@@ -106,6 +110,10 @@ def weight_cache_path(profile: DeviceProfile, cache_key: str | None) -> str:
     directory are removed: one model's packed weights are as large as the model, and an update
     leaves the old ones unused. Kept: the files of models this process still runs (an update
     loaded beside the serving model must not take the files a rollback would start from).
+
+    A file not packed yet needs room for the packed weights of `model` (`room.packed_bound`):
+    XNNPACK aborts the process when it cannot write its cache file, so without that room the
+    weights are packed in memory (one log line; the next load packs to the file again).
     """
     directory = profile.runtime.xnnpack_weight_cache_dir
     if directory is None or cache_key is None:
@@ -116,6 +124,10 @@ def weight_cache_path(profile: DeviceProfile, cache_key: str | None) -> str:
         if not os.access(directory, os.W_OK | os.X_OK) and not target.exists():
             raise PermissionError(f"{directory} is not writable")
         prune_weight_cache(directory, cache_key)
+        if model is not None and not target.exists():
+            need, free = room.packed_bound(model.stat().st_size), room.free_bytes(directory)
+            if free is not None and free < need:
+                raise OSError(errno.ENOSPC, f"{free} bytes free, {need} needed to pack {model}")
     except OSError as exc:
         log.warning("XNNPACK weight cache dir unusable (%s); packing weights in memory", exc)
         return IN_MEMORY_WEIGHT_CACHE

@@ -234,10 +234,14 @@ def prepare_file(
         done = Prepared(n, added, refused)
         if done.changed:
             tmp = Path(dst).with_name(Path(dst).name + ".tmp")
-            with open(tmp, "wb") as out:
-                ov.write(out)
-                _copy_weights(f, out, start)
-            tmp.replace(dst)
+            try:
+                with open(tmp, "wb") as out:
+                    ov.write(out)
+                    _copy_weights(f, out, start)
+                tmp.replace(dst)
+            except BaseException:  # ENOSPC mid-copy: the partial copy goes, its room with it
+                tmp.unlink(missing_ok=True)
+                raise
     del ov
     give_back_memory()
     log.info(
