@@ -27,6 +27,7 @@ from agent.ota.interrupt import Interrupt
 from agent.ota.reports import Reports, manifest_of
 from agent.ota.staging import stage
 from agent.ota.store import Installed, ModelRef, Store
+from agent.ota.timing import Timing
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
@@ -37,7 +38,6 @@ Phase = fpb.UpdateStatus
 FINAL = (R.COMMITTED, R.ROLLED_BACK, R.REJECTED)
 CANCELLABLE = (R.RECEIVED, R.DOWNLOADING, R.VERIFIED, R.STAGED)  # before the new model loads
 UNJUDGED = "; its validity window is judged once the clock is synchronized"
-CLOCK_POLL_S = 1.0  # how often a staged update waiting for a synchronized clock looks again
 TRIAL_SAVE_S = 10.0  # the trial's elapsed time is written at least this often (and at every save)
 
 
@@ -58,8 +58,9 @@ class Updater:
     It runs on the daemon's event loop (downloads and patching in a worker thread); the current
     model serves until the new one has loaded beside it and passed its canary. Beside it: the
     steps' work (download.py, staging.py), the record and the pointer (store.py), the reports
-    (reports.py), what follows an ended update (cleanup.py), a full disk (space.py), a cancel's
-    interrupt (interrupt.py) and what the daemon provides (host.py).
+    (reports.py), what follows an ended update (cleanup.py), a full disk (space.py), the clock's
+    judgement (timing.py), a cancel's interrupt (interrupt.py) and what the daemon provides
+    (host.py).
     """
 
     def __init__(
@@ -82,6 +83,7 @@ class Updater:
         self.interrupt = Interrupt()  # a cancel's reason; stops a download, cuts its pauses
         self.reports = Reports(self.installed)
         self.cleanup = Cleanup(self.store, self.installed)
+        self.timing = Timing(self.clock, self.reports, self.interrupt)
 
     # ------------------------------------------------------------------ state
 
@@ -209,7 +211,7 @@ class Updater:
             return self.reports.rejected("", exc.code, exc.message)
         inst = self.installed()
         assert self.host is not None
-        now = self._trusted_now()
+        now = self.timing.now()
         try:
             manifest.check(m, self.host.install_context(inst.current), now)
             space.check(m, self.store, self.config.min_free_bytes)
@@ -239,7 +241,7 @@ class Updater:
             trusted = keys.load_trusted(self.config.trusted_keys_dir)
         except keys.KeyFileError as exc:
             raise manifest.UpdateRejected("trusted_keys", str(exc)) from exc
-        cancel, kid = verify_cancel(signed_bytes, trusted, self._trusted_now())
+        cancel, kid = verify_cancel(signed_bytes, trusted, self.timing.now())
         rec = self.store.record()
         task = self._task
         running = rec is not None and task is not None and not task.done()
@@ -314,7 +316,7 @@ class Updater:
             reports=self.reports,
             blocks=self.blocks,
             interrupt=self.interrupt,
-            check_times=lambda: self._check_times(rec, m),
+            check_times=lambda: self.timing.check(rec, m),
         )
         self._enter(rec, R.VERIFIED, "payload sha256 verified")
 
@@ -325,7 +327,7 @@ class Updater:
     async def _activate(self, rec: opb.UpdateRecord, m: opb.Manifest) -> None:
         assert self.host is not None
         if rec.state == R.STAGED:  # the last decision before the new model loads
-            await self._judge_times_before_activation(rec, m)
+            await self.timing.before_activation(rec, m)
         new = ModelRef(
             rec.staged_model_dir, m.quantization, m.target_model_sha256, m.version, m.version_label
         )
@@ -387,36 +389,6 @@ class Updater:
         self.store.remove_unused([Path(inst.current.model_dir)])
         self.host.remove_unused_caches()
         self.reports.transition(rec, reason)
-
-    # ------------------------------------------------------------------ time
-
-    def _trusted_now(self) -> float | None:
-        """The wall clock, or None while it is not known to be synchronized."""
-        return self.clock.wall() if self.clock.state().synchronized else None
-
-    def _check_times(self, rec: opb.UpdateRecord, m: opb.Manifest) -> None:
-        """Judge the manifest's validity window if the wall clock is synchronized (raise
-        UpdateRejected "expired" / "not_yet_valid"); on an unsynchronized clock decide
-        nothing."""
-        now = self._trusted_now()
-        if now is None:
-            return
-        manifest.check_times(m, now)
-        rec.times_checked = True  # written with the next record
-
-    async def _judge_times_before_activation(self, rec: opb.UpdateRecord, m: opb.Manifest) -> None:
-        """Before the new model loads: wait (cancellable) until the wall clock is synchronized,
-        then judge the manifest's window on it — whatever was judged before."""
-        now = self._trusted_now()
-        if now is None:
-            why = "waiting for a synchronized clock to judge the manifest before activating"
-            log.warning("update %s: staged; %s", m.update_id, why)
-            self.reports.progress(rec, f"staged; {why}")
-            while (now := self._trusted_now()) is None:
-                await self.interrupt.pause(CLOCK_POLL_S)
-            log.info("update %s: the clock is synchronized; activation continues", m.update_id)
-        manifest.check_times(m, now)
-        rec.times_checked = True
 
     # ------------------------------------------------------------------ records and reports
 
