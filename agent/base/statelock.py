@@ -73,10 +73,15 @@ class StateLock:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except OSError as exc:
-            os.close(fd)
-            raise HostError(
-                f"state directory {directory}: cannot write {path}: {exc.strerror}"
-            ) from exc
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                # the lock is the flock, and it is held: a full disk must not keep the model
+                # from serving for want of a pid that only the refused one reads
+                log.warning("state directory %s: no pid in %s: %s", directory, path, exc.strerror)
+            else:
+                os.close(fd)
+                raise HostError(
+                    f"state directory {directory}: cannot write {path}: {exc.strerror}"
+                ) from exc
         log.info("state directory %s locked (pid %d)", directory, os.getpid())
         return cls(directory, fd)
 
