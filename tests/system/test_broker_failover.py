@@ -3,7 +3,8 @@ broker_rabbitmq.py's RabbitCluster; docs/FLEET.md, "Broker clusters"): the node 
 daemon's link is on is killed (SIGKILL, as a machine dies) during health reports and in the
 middle of an update's MQTT block download, and the device is back on the next node of its
 `broker = [...]` list within 30 s with every outbox event delivered and the update finished;
-the operator's `fleet send` and `fleet watch` survive their own node dying.
+the operator's `fleet send`, `fleet watch` and a running `fleet rollout` survive their own node
+dying.
 
 Deterministic: every step waits on something observable (a log line, a message seen by an
 observer on a node that stays up, a block request held by the test's block server); a dead
@@ -13,6 +14,7 @@ node is started again in the background and waited for before the next test.
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import signal
@@ -383,3 +385,93 @@ def test_fleet_watch_survives_its_node_dying(
         if watcher.is_alive():
             watcher.join(30)
         assert d.stop() == 0, d.read_log()
+
+
+def wait_text(path: Path, text: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Until the file holds `text` (a line the rollout wrote); fails if the process ended
+    first. `timeout` is a safety limit, not a speed."""
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text():
+        if proc.poll() is not None and text not in path.read_text():
+            raise AssertionError(f"the rollout exited ({proc.returncode}) before {text!r}")
+        assert time.monotonic() < deadline, f"no {text!r} within {timeout} s"
+        time.sleep(0.05)
+
+
+def test_a_rollout_survives_its_node_dying(
+    big_models: Models,  # noqa: F811
+    trusted: Path,  # noqa: F811
+    tmp_path: Path,
+    nodes: list[RabbitMQ],
+) -> None:
+    """`fleet rollout start --target A,B --waves 50%,100% --broker n0 --broker n1 --broker n2`,
+    its own process, on node 0; A is on node 1, B (stopped, SIGSTOP) on node 2, and the rollout
+    hears them only live (RabbitMQ sends no retained message to `+/health`). So wave 1 offers
+    A; node 0 dies once A asks for its first MQTT block, the rollout reconnects to node 1, A
+    gets its blocks (asked again if lost) and commits. Wave 2 waits for the named B, which runs
+    again only now: it is offered through node 1 and commits; the rollout completes (exit 0),
+    each device offered once. Every step waits on an event (a block request seen on node 2, a
+    line of the rollout); stopping B is what makes the order certain."""
+    n0, n1, n2 = nodes
+    a, b = "dev-fo-roll-a", "dev-fo-roll-b"
+    path = bundle(big_models, tmp_path)  # no URL: the payload comes in blocks over MQTT
+    extra = (
+        '[model]\nquantization = "int8"\n'
+        f'[updates]\ntrusted_keys_dir = "{trusted}"\ntrial_s = 1.0\n'
+        "retry_s = 0.5\nprogress_interval_s = 0.2\n"
+        'clock = "trusted"\n'
+    )
+    blocks = Topics(PREFIX, a).block_request
+    watch = Observer(n2, "fo-roll-watch", [blocks])
+    daemons: dict[str, Daemon] = {}
+    out, err = tmp_path / "rollout.out", tmp_path / "rollout.err"
+    proc: subprocess.Popen[bytes] | None = None
+
+    def said() -> str:
+        return f"rollout stdout:\n{out.read_text()}\nstderr:\n{err.read_text()[-6000:]}"
+
+    try:
+        for device, brokers in ((a, [n1, n2, n0]), (b, [n2, n1, n0])):
+            (tmp_path / device).mkdir()
+            d = daemons[device] = start(tmp_path / device, big_models.base, device,
+                                        config(brokers, extra))  # fmt: skip
+            connected_to(d, brokers[0])
+            assert d.client().info()["version"] == "1.0.0"
+        daemons[b].signal(signal.SIGSTOP)  # not heard by the rollout until it runs again
+        argv = operator("rollout", "start", str(path), "--target", f"{a},{b}", "--id", "r-fo",
+                        "--waves", "50%,100%", "--soak", "0", "--wave-timeout", "300s",
+                        "--rollouts-dir", str(tmp_path / "rollouts"), "--json",
+                        brokers=[n0, n1, n2], config=tmp_path / "operator.toml")  # fmt: skip
+        with open(out, "wb") as o, open(err, "wb") as e:
+            proc = subprocess.Popen(argv, stdout=o, stderr=e, cwd=ROOT, env=ENV)
+        try:
+            watch.wait(lambda s: s.topic == blocks, 120)  # A was offered and is downloading
+            n0.kill()
+            wait_text(err, "lost the broker", proc, 60)
+            wait_text(err, "wave 1 ended", proc, 180)  # A committed, heard through node 1
+            daemons[b].signal(signal.SIGCONT)
+            assert proc.wait(240) == 0
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{said()}") from None
+        n0.launch()  # back in the background; the next test waits for it
+        rep = json.loads(out.read_text())
+        assert rep["state"] == "completed" and rep["not_updated"] == {}, said()
+        assert (rep["offered"], rep["committed"], rep["failed"]) == (2, 2, 0), said()
+        got = [(d["device"], d["wave"], d["attempt"], d["status"]) for d in rep["devices"]]
+        assert got == [(a, 1, 1, "committed"), (b, 2, 1, "committed")], said()
+        lines = err.read_text()
+        assert lines.index("lost the broker") < lines.index("wave 2 (100%): offering to 1"), said()
+        assert f"trying {n1.url}" in lines, said()  # the dead node refused, then the next one
+        for d in daemons.values():
+            assert d.client().info()["version"] == "1.2.0", d.read_log()
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        stopped = []
+        for d in daemons.values():
+            d.signal(signal.SIGCONT)
+            stopped.append((d.stop(), d))
+        watch.close()
+        for code, d in stopped:
+            assert code == 0, d.read_log()
