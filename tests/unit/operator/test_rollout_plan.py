@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agent.cli.fleet.rollout import _exit_for
 from agent.operator.rollout import plan
 from agent.operator.rollout.plan import Heard, Seen
 from agent.operator.rollout.report import report
@@ -224,7 +225,9 @@ def test_a_named_device_not_online_holds_the_wave_and_is_offered_when_it_comes()
     assert report(r).committed == 3 and report(r).not_updated == ()
 
 
-def test_a_named_device_never_online_fails_at_the_wave_timeout_and_counts() -> None:
+def test_a_named_device_never_online_fails_at_the_wave_timeout_and_counts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """hawkBit's and AWS IoT Jobs' way: a targeted device that never comes online is a failed
     target, not a success; under the threshold the rollout completes, but not successfully."""
     named = Target("devices", devices=("a", "b", "c", "d"))
@@ -241,6 +244,11 @@ def test_a_named_device_never_online_fails_at_the_wave_timeout_and_counts() -> N
     assert (rep.offered, rep.committed, rep.failed) == (3, 3, 1)
     assert rep.waves[0].failed_by_reason == (("never_online", 1),)
     assert "  named devices not updated: d (never_online)" in rep.lines()
+    # `rollout start`/`resume` exit 1 and say which named devices were not updated
+    assert _exit_for(rep) == 1
+    assert "completed, but 1 of 4 named devices were not updated: d (never_online)" in (
+        capsys.readouterr().err
+    )
     # over the threshold it halts, as any failure does; retry-failed offers it once it is online
     r, _ = run(plan.create(spec(named, waves=(1.0,), max_failure_rate=0.2), T0), seen)
     assert r.state == State.HALTED and "never_online 1" in r.reason
