@@ -58,6 +58,7 @@ class DaemonUpdateHost:
             agent_version=__version__,
             finished_update_ids=frozenset(inst.finished),
             max_payload_bytes=self._config().updates.max_payload_bytes,
+            cache_dir=plan.profile.runtime.xnnpack_weight_cache_dir,
         )
 
     async def activate(self, ref: ModelRef, canary_spec: opb.Canary | None) -> None:

@@ -1,18 +1,21 @@
-"""A full disk and updates (docs/UPDATES.md): the space an update needs, checked at the offer,
-and what an update that meets ENOSPC anyway leaves — nothing. Its payload and the directory it
-was building are removed before its record and report are written (they need the room), it
-ends REJECTED with code `no_space`, and its id stays usable: the device does not retry by
-itself, a later offer of the same update (a rollout's `retry-failed`) starts it again once the
-check at the offer passes, i.e. once space is back.
+"""A full disk and updates (docs/UPDATES.md): the space an update needs, checked at the offer
+(the payload and the new model directory in the state directory, the new model's first load in
+the weight cache directory) and again before the new model loads (its first load), and what an
+update that meets ENOSPC anyway leaves — nothing. Its payload and the directory it was building
+are removed before its record and report are written (they need the room), it ends REJECTED
+with code `no_space` (ROLLED_BACK if its new model was loading beside the serving one: that
+state says what happened, the code why), and its id stays usable: the device does not retry
+by itself, a later offer of the same update (a rollout's `retry-failed`) starts it again once
+the check at the offer passes, i.e. once space is back.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import os
 from pathlib import Path
 
+from agent.model import room
 from agent.ota.artifact.manifest import UpdateRejected
 from agent.ota.cleanup import Cleanup
 from agent.ota.reports import manifest_of
@@ -23,6 +26,8 @@ log = logging.getLogger(__name__)
 
 R = opb.UpdateRecord
 NO_SPACE = "no_space"
+_LOAD = "first load of the new model, a bound"
+AGAIN = "; offer it again once there is room"
 _FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
@@ -39,39 +44,64 @@ def is_no_space(exc: BaseException) -> bool:
 
 
 def free_bytes(path: Path) -> int | None:
-    """Bytes available to the agent on the filesystem of `path` (or its nearest existing
-    parent); None when nothing can be measured."""
-    for candidate in (path, *path.parents):
-        try:
-            st = os.statvfs(candidate)
-        except (OSError, ValueError):
-            continue
-        return st.f_bavail * st.f_frsize
-    return None
+    """Bytes available on the filesystem of `path` (or its nearest existing parent)."""
+    return room.free_bytes(path)
 
 
 def needed_bytes(m: opb.Manifest) -> int:
-    """The most an update holds on the disk at once: the payload and the rebuilt model directory
-    (the payload is removed only once the directory is in place)."""
+    """The most an update holds in the state directory at once: the payload and the rebuilt
+    model directory (the payload is removed only once the directory is in place)."""
     return int(m.payload_size) + sum(int(f.size) for f in m.files)
 
 
-def check(m: opb.Manifest, store: Store, margin: int) -> None:
-    """Raise UpdateRejected `no_space` unless the state directory's filesystem has room for the
-    update and `margin` (`updates.min_free_bytes`) beside it."""
-    free = free_bytes(store.models.parent)
-    need = needed_bytes(m)
+def first_load_bytes(m: opb.Manifest) -> int:
+    """A bound of what loading the new model the first time writes to the weight cache
+    directory (its prepared copy and packed weights, `agent.model.room.first_load_bound`),
+    from the size of the model file the manifest names (`target_model_sha256`)."""
+    sizes = [int(f.size) for f in m.files if f.sha256 == m.target_model_sha256]
+    return room.first_load_bound(max(sizes or [int(f.size) for f in m.files] or [0]))
+
+
+def _refuse(where: Path, need: int, what: str, margin: int) -> None:
+    free = free_bytes(where)
     if free is not None and free < need + margin:
         raise UpdateRejected(
             NO_SPACE,
-            f"the update needs {need} bytes on the device and {margin} more are kept free "
-            f"(updates.min_free_bytes); {free} are free: offer it again once there is room",
+            f"the update needs {need} bytes on the filesystem of {where} ({what}) and {margin} "
+            f"more are kept free (updates.min_free_bytes); {free} are free: offer it again "
+            "once there is room",
         )
 
 
+def check(m: opb.Manifest, store: Store, margin: int, cache_dir: Path | None = None) -> None:
+    """At the offer: raise UpdateRejected `no_space` unless the state directory's filesystem has
+    room for the payload and the new model directory, and the weight cache directory's (the
+    same or another) for the new model's first load, each with `margin`
+    (`updates.min_free_bytes`) beside it."""
+    state = store.models.parent
+    what = f"payload {m.payload_size} + model files {needed_bytes(m) - m.payload_size}"
+    need, load = needed_bytes(m), first_load_bytes(m) if cache_dir is not None else 0
+    if cache_dir is not None and room.device_of(cache_dir) == room.device_of(state):
+        _refuse(state, need + load, what + f" + {_LOAD} {load}", margin)
+        return
+    _refuse(state, need, what, margin)
+    if cache_dir is not None:
+        _refuse(cache_dir, load, f"{_LOAD} {load}", margin)
+
+
+def check_activation(m: opb.Manifest, cache_dir: Path | None, margin: int) -> None:
+    """Before the new model loads: raise UpdateRejected `no_space` unless the weight cache
+    directory has room for its first load and `margin`. Room may have gone since the offer;
+    a load without it would serve the model unprepared, its weights packed in memory
+    (agent/runtime/prepare/cachefiles.py), at every start until there is room."""
+    if cache_dir is not None:
+        _refuse(cache_dir, first_load_bytes(m), f"{_LOAD} {first_load_bytes(m)}", margin)
+
+
 def retryable(rec: opb.UpdateRecord) -> bool:
-    """An update that ended for want of space: its id is not used up."""
-    return rec.state == R.REJECTED and rec.reason_code == NO_SPACE
+    """An update that ended for want of space, rejected, or rolled back while its new model
+    loaded beside the serving one (it never served): its id is not used up."""
+    return rec.state in (R.REJECTED, R.ROLLED_BACK) and rec.reason_code == NO_SPACE
 
 
 def attempt(previous: opb.UpdateRecord | None, m: opb.Manifest) -> int:

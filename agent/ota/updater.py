@@ -213,8 +213,9 @@ class Updater:
         assert self.host is not None
         now = self.timing.now()
         try:
-            manifest.check(m, self.host.install_context(inst.current), now)
-            space.check(m, self.store, self.config.min_free_bytes)
+            ctx = self.host.install_context(inst.current)
+            manifest.check(m, ctx, now)
+            space.check(m, self.store, self.config.min_free_bytes, ctx.cache_dir)
         except manifest.UpdateRejected as exc:
             return self.reports.rejected(m.update_id, exc.code, exc.message, m)
         rec = R(
@@ -326,8 +327,10 @@ class Updater:
 
     async def _activate(self, rec: opb.UpdateRecord, m: opb.Manifest) -> None:
         assert self.host is not None
-        if rec.state == R.STAGED:  # the last decision before the new model loads
+        if rec.state == R.STAGED:  # the last decisions before the new model loads
             await self.timing.before_activation(rec, m)
+            cache_dir = self.host.install_context(self.installed().current).cache_dir
+            space.check_activation(m, cache_dir, self.config.min_free_bytes)
         new = ModelRef(
             rec.staged_model_dir, m.quantization, m.target_model_sha256, m.version, m.version_label
         )
@@ -335,8 +338,10 @@ class Updater:
         canary = m.canary if m.HasField("canary") else None
         try:
             await self.host.activate(new, canary)
-        except Exception as exc:  # the serving model is untouched
-            self._finish(rec, R.ROLLED_BACK, f"the new model failed to activate: {exc}")
+        except Exception as exc:  # the serving model is untouched; no_space: retryable
+            code = space.NO_SPACE if space.is_no_space(exc) else ""
+            why = f"the new model failed to activate: {exc}" + (code and space.AGAIN)
+            self._finish(rec, R.ROLLED_BACK, why, code)
             self.host.remove_unused_caches()  # what loading the failed model prepared
             return
         inst = self.installed()

@@ -9,6 +9,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from agent.base.errors import InvalidRequest
 from agent.model.directory import METADATA_FILE, model_digest
@@ -70,6 +71,9 @@ class InstallContext:
     agent_version: str
     finished_update_ids: frozenset[str] = frozenset()
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    # where loading a model writes its prepared copy and packed weights (the no_space checks
+    # count a first load there, agent/ota/space.py); None: nowhere on disk
+    cache_dir: Path | None = None
 
 
 def version_tuple(text: str) -> tuple[int, ...] | None:

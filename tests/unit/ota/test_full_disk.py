@@ -1,13 +1,18 @@
 """A full disk never costs the device its model (issue 35, docs/UPDATES.md): the state directory
-is a real tmpfs of its own; an update offered with too little room is refused at once with
-`no_space`; one that meets ENOSPC while it downloads, patches the new model directory or writes
-its record is rejected `no_space`, reported, and leaves nothing behind, while the daemon goes on
-serving the model it had; the same update offered again once there is room commits. A real
-daemon, a real mosquitto, a real HTTP server on loopback (the update is held at a state by the
-fault injection's pause point while the test fills the disk)."""
+is a real tmpfs of its own; an update offered with too little room (for its payload, its model
+directory and its new model's first load) is refused at once with `no_space`; one that meets
+ENOSPC while it downloads, patches the new model directory or writes its record, or finds no
+room for its first load just before it loads, is rejected `no_space`, reported, and leaves
+nothing behind, while the daemon goes on serving the model it had; one that meets ENOSPC while
+its new model loads is rolled back `no_space`; the same update offered again once there is room
+commits. A real daemon, a real mosquitto, a real HTTP server on loopback (the update is held at
+a state by the fault injection's pause point while the test fills the disk); the load's ENOSPC
+in process (below)."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,20 +21,29 @@ import pytest
 
 from agent.fleet.topics import Topics
 from agent.operator.client import send
+from agent.ota import space
 from agent.ota.artifact.bundle import read_bundle
+from agent.ota.artifact.manifest import InstallContext
 from agent.ota.faults import PAUSE_ENV, RESUME_ENV
-from agent.ota.store import Store
+from agent.ota.reports import manifest_of
+from agent.ota.store import ModelRef, Store
+from agent.ota.updater import Updater
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
+from agent.runtime.prepare.inline import prepare_file
 from tests.support.daemon_harness import Daemon
+from tests.support.fleetsim import model_ref
 from tests.support.tmpfs import fill, tmpfs
 from tests.system import test_updates
 from tests.system.test_fleet_link import PREFIX, Observer, options
 from tests.system.test_updates import _req, _signed, config, over_http, statuses
+from tests.unit.ota import test_update_clock
+from tests.unit.ota.test_update_clock import FileHost, device
 
 # the update tests' module fixtures: the tiny model and its fine-tune, the trusted key, mosquitto
 models, trusted, broker = test_updates.models, test_updates.trusted, test_updates.broker
 big_models = test_updates.big_models
+payload = test_update_clock.payload
 
 pytestmark = pytest.mark.root
 
@@ -43,6 +57,13 @@ FINAL = (Phase.COMMITTED, Phase.ROLLED_BACK, Phase.REJECTED)
 @pytest.fixture
 def state(tmp_path: Path) -> Iterator[Path]:
     with tmpfs(tmp_path / "state", 256 * MiB) as path:
+        yield path
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Iterator[Path]:
+    """A weight cache directory on a filesystem of its own (the in-process test)."""
+    with tmpfs(tmp_path / "cache", 16 * MiB) as path:
         yield path
 
 
@@ -209,3 +230,122 @@ def test_enospc_while_patching_or_writing_the_record_leaves_the_model_serving(
         assert d.stop() == 0, d.read_log()
         http.close()
         watch.close()
+
+
+def test_no_room_for_the_new_models_first_load_is_no_space_at_the_offer_and_before_it_loads(
+    models, trusted, broker, state, tmp_path
+):
+    """The weight cache directory (here in the state directory's filesystem) takes the new
+    model's prepared copy and packed weights when it loads: the offer counts them, and so does
+    the last check before the load. (The load itself would have aborted the daemon: XNNPACK
+    aborts when its cache file cannot be written.)"""
+    _, http, path = over_http(models, tmp_path, 4)
+    m = _manifest(path)
+    load = space.first_load_bytes(m)
+    device = "dev-full-activate"
+    watch = Observer(broker, "full-activate")
+    d = _start(tmp_path, models, broker, trusted, device, pause_at="staged")
+    store = Store(state)
+    cache = state / "cache" / "xnnpack"
+    try:
+        # room for the payload and the model directory, not for the first load as well
+        filler = fill(state, leave=space.needed_bytes(m) + MARGIN + load // 2)
+        st = _offer(broker, device, path)
+        assert (st.phase, st.reason_code) == (Phase.REJECTED, "no_space"), st
+        assert "first load of the new model" in st.message, st.message
+        assert store.record() is None
+        filler.unlink()
+        # accepted with room; held once staged, the disk fills before the new model loads
+        assert _offer(broker, device, path).phase == Phase.RECEIVED
+        _wait(lambda: (r := store.record()) is not None and r.state == R.STAGED, "held")
+        filler = fill(state, leave=MARGIN + load // 2)
+        (tmp_path / "resume").touch()
+        final = _wait_final(watch, device, 2)  # the refusal at the offer was the first
+        assert (final.phase, final.reason_code) == (Phase.REJECTED, "no_space"), final
+        assert "first load of the new model" in final.message, final.message
+        assert _left_behind(state) == []  # the staged directory is removed
+        assert not [p for p in cache.iterdir() if p.name.startswith(m.target_model_sha256)]
+        _serves(d, "1.0.0")
+        # room again: the same update commits
+        filler.unlink()
+        assert _offer(broker, device, path).phase == Phase.RECEIVED
+        final = _wait_final(watch, device, 3)
+        assert final.phase == Phase.COMMITTED and final.update_id == m.update_id, final
+        _serves(d, "1.1.0")
+        rec = store.record()
+        assert rec is not None and rec.attempt == 1
+    finally:
+        assert d.stop() == 0, d.read_log()
+        http.close()
+        watch.close()
+
+
+# ----------------------------------------------------------------------------- in process
+# ENOSPC while the new model loads: the room the checks counted is gone when its prepared copy
+# is written (another writer filled the disk between the last check and the load). The real
+# updater, store, signing, delta and HTTP download on loopback (tests/unit/ota/
+# test_update_clock.py's seam); the daemon's part "loads" a model by writing its prepared copy
+# with the real `prepare_file` into a weight cache directory on a tmpfs, which the test fills
+# when the update reports ACTIVATING.
+
+
+class PreparingHost(FileHost):
+    """`FileHost` whose load first writes the model's prepared copy into `cache`."""
+
+    cache: Path
+
+    def install_context(self, installed: ModelRef) -> InstallContext:
+        return dataclasses.replace(super().install_context(installed), cache_dir=self.cache)
+
+    async def activate(self, ref: ModelRef, canary: opb.Canary | None) -> None:
+        model = Path(ref.model_dir) / "model_int8.tflite"
+        assert prepare_file(model, self.cache / f"{ref.sha256}.copy.tflite").changed
+        await super().activate(ref, canary)
+
+
+def test_enospc_writing_the_prepared_copy_rolls_back_no_space_and_a_retry_commits(
+    models, trusted, payload, cache, tmp_path
+):
+    dev = device(tmp_path, models, trusted, 0.0, synced=True)
+    dev.config = dataclasses.replace(dev.config, min_free_bytes=MiB)
+    fillers: list[Path] = []
+
+    def on_report(status: fpb.UpdateStatus) -> None:
+        if status.phase == Phase.ACTIVATING and not fillers:  # the checks passed; now full
+            fillers.append(fill(cache, leave=0))
+
+    async def run() -> None:
+        host = await start(dev, cache, on_report)
+        assert (await host.updater.offer(payload)).phase == Phase.RECEIVED
+        final = await dev.final(host)
+        assert (final.phase, final.reason_code) == (Phase.ROLLED_BACK, space.NO_SPACE), final
+        assert "No space left on device" in final.message and space.AGAIN in final.message
+        assert host.serving.version == 0  # the old model serves on
+        rec = dev.store.record()
+        assert rec is not None and (rec.state, rec.reason_code) == (R.ROLLED_BACK, "no_space")
+        assert not list((dev.root / "state" / "models").iterdir())  # the built dir is gone
+        assert [p.name for p in cache.iterdir()] == [fillers[0].name]  # no partial copy
+        assert space.retryable(rec)  # its id is not used up
+        assert manifest_of(rec).update_id not in host.updater.installed().finished
+        # room again: the same update, offered again, commits
+        fillers[0].unlink()
+        host.final.clear()
+        assert (await host.updater.offer(payload)).phase == Phase.RECEIVED
+        final = await dev.final(host)
+        assert final.phase == Phase.COMMITTED, (final, host.phases())
+        assert host.serving.version == 1
+        rec = dev.store.record()
+        assert rec is not None and rec.attempt == 1
+
+    asyncio.run(run())
+
+
+async def start(dev, cache: Path, on_report) -> PreparingHost:  # type: ignore[no-untyped-def]
+    """What the daemon does at a start (`Device.start`), with a `PreparingHost`."""
+    up = Updater(dev.store, dev.config, model_ref(dev.models.base), clock=dev.clock)
+    up.boot()
+    host = PreparingHost(up, on_report)
+    host.cache = cache
+    up.attach(host)
+    await up.resume()
+    return host
