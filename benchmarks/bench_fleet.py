@@ -235,8 +235,9 @@ PHASES = ("RECEIVED", "DOWNLOADING", "VERIFIED", "STAGED", "ACTIVATING", "TRIAL"
 def rules_run(n: int, store_dir: Path) -> dict[str, Any]:
     """The operator's driver loop without broker or devices, in this process: `n` online
     devices, each offered one reporting the 7 phases of an update one tick (0.2 simulated s)
-    after another; `plan.step` every tick, a save before each offer and at most once a
-    simulated second otherwise, as agent/operator/rollout/run.py does. CPU s, peak RSS."""
+    after another, applied once a tick (`plan.learn_all`); `plan.step` every tick, a save
+    before each offer and at most once a simulated second otherwise, as
+    agent/operator/rollout/run.py does. CPU s, peak RSS."""
     import resource
 
     from agent.operator.rollout import plan
@@ -257,13 +258,15 @@ def rules_run(n: int, store_dir: Path) -> dict[str, Any]:
     while r.state == State.RUNNING:
         now += 0.2
         ticks += 1
+        batch = []  # the tick's statuses, applied at once as the driver does
         for d, k in list(progress.items()):
-            r = plan.learn(r, d, plan.Heard("u-1", PHASES[k], "", "", now, live=True), now)
+            batch.append((d, plan.Heard("u-1", PHASES[k], "", "", now, live=True)))
             heard += 1
             if k + 1 == len(PHASES):
                 del progress[d]
             else:
                 progress[d] = k + 1
+        r = plan.learn_all(r, batch, now)
         before = r
         r, offers = plan.step(r, seen, now)
         if offers or r.wave != before.wave or r.state != before.state or now - saved_at >= 1:

@@ -14,7 +14,7 @@ import functools
 import hashlib
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from agent.operator.rollout.state import (
@@ -286,10 +286,32 @@ def learn(r: Rollout, device_id: str, h: Heard, now: float) -> Rollout:
     """A status report of `device_id`: moves its current attempt on (one of ours: same update
     id, stamped after anything an earlier attempt heard)."""
     d = r.device(device_id)
-    if d is None or h.update_id != r.spec.update_id or r.state in FINAL_STATES:
+    new = d if d is None else _learned(r, d, h, now)
+    return _with(r, new, now) if new is not None and new != d else r
+
+
+def learn_all(r: Rollout, heard: Sequence[tuple[str, Heard]], now: float) -> Rollout:
+    """`learn` of each report in turn, with one copy of the devices for all of them: the
+    driver keeps what a tick heard and applies it at the next, so that a status costs a
+    lookup rather than a copy of every device (O(n) each, O(n²) over a rollout)."""
+    changed: dict[str, Device] = {}
+    for device_id, h in heard:
+        d = changed.get(device_id) or r.device(device_id)
+        if d is not None:
+            changed[device_id] = _learned(r, d, h, now)
+    changed = {k: d for k, d in changed.items() if d != r.device(k)}
+    if not changed:
         return r
+    devices = tuple(changed.get(d.device_id, d) for d in r.devices)
+    return dataclasses.replace(r, devices=devices, updated_unix=now)
+
+
+def _learned(r: Rollout, d: Device, h: Heard, now: float) -> Device:
+    """`d` after the report `h` (`d` itself when the report changes nothing)."""
+    if h.update_id != r.spec.update_id or r.state in FINAL_STATES:
+        return d
     if d.ignore_before_ts and not h.live and h.timestamp_unix <= d.ignore_before_ts:
-        return r
+        return d
     new = dataclasses.replace(d, heard_ts=max(d.heard_ts, h.timestamp_unix))
     if d.status in IN_FLIGHT:
         if h.phase == "COMMITTED":
@@ -304,7 +326,7 @@ def learn(r: Rollout, device_id: str, h: Heard, now: float) -> Rollout:
     elif d.status == Status.COMMITTED and h.phase in ("ROLLED_BACK", "FAILED"):
         new = _fail(new, h.reason_code or h.phase.lower(), f"after committing: {h.message}", now)
         new = dataclasses.replace(new, phase=h.phase)
-    return _with(r, new, now) if new != d else r
+    return new if new != d else d
 
 
 def unoffer(r: Rollout, device_id: str, previous: Device | None) -> Rollout:

@@ -1,27 +1,10 @@
 """`edge-agent fleet rollout`: a signed update offered to a fleet wave by wave, over ONE MQTT
 connection, with a persisted state that survives the operator process (docs/ROLLOUTS.md).
 
-The Python API (what `edge-agent fleet rollout ...` and tests/support/fleetsim.py call)::
-
-    from agent.operator.rollout.run import create_rollout, run_rollout, request, retry_failed,
-    resume
-    from agent.operator.rollout.state import Target
-
-    rollout = create_rollout(
-        store_dir, bundle, Target.parse(["all"]),          # or ["group:kitchen"], ["dev-1", ...]
-        waves=(0.01, 0.1, 0.5, 1.0), prefix="fleet/v1",
-        min_devices=1, max_failure_rate=0.05, wave_timeout_s=1800.0, soak_s=600.0,
-        rollout_id=None,                                    # default: "<update_id>-<utc time>"
-    )                                                       # -> Rollout (written to the store)
-    report = run_rollout(opts, store_dir, rollout.spec.rollout_id, stop=None,
-                         on_line=print, resume=False)   # resume=True: a paused/halted one
-    # -> RolloutReport: .state ("completed" | "halted" | "aborted" | "paused" | "running" when
-    #    `stop` was set), .reason, .waves (per wave: offered / committed / failed by reason /
-    #    timed out, started / ended), .to_json()
-
-    request(store_dir, rollout_id, "pause" | "abort")   # seen by the running process within 1 s
-    retry_failed(store_dir, rollout_id)                  # failed devices become eligible again
-    resume(store_dir, rollout_id) then run_rollout(...)  # or run_rollout(..., resume=True)
+The Python API (what `edge-agent fleet rollout ...` and tests/support/fleetsim.py call):
+`create_rollout` writes a new rollout to the store, `run_rollout` runs it (or resumes a paused
+or halted one) and returns its `RolloutReport`; `request` (pause, abort), `retry_failed` and
+`resume` change it for the process running it, which sees them within a second.
 
 `run_rollout` holds the rollout's lock (`<store_dir>/<id>.lock`) for its whole run: a second
 process on the same rollout gets `RolloutBusy` naming the holder's pid. `stop` (an Event) makes it
@@ -265,6 +248,7 @@ class _Driver:
         # devices marked offered whose command has not been handed to the client yet, with
         # what they were before: taken back if the process stops (Ctrl-C) before their send
         self.unsent: dict[str, Device | None] = {}
+        self.heard: list[tuple[str, plan.Heard]] = []  # statuses heard since the last tick
 
     # ------------------------------------------------------------------ state
 
@@ -274,6 +258,7 @@ class _Driver:
         self.dirty = False
 
     def take_requests(self) -> None:
+        self.apply_heard()
         for what in self.store.pending(self.r.spec.rollout_id):
             try:
                 self.r = _COMMANDS[what](self.r, self.clock())
@@ -284,17 +269,21 @@ class _Driver:
             self.store.done(self.r.spec.rollout_id, what)
 
     def learn(self, device: str, heard: plan.Heard) -> None:
-        before = self.r.device(device)
-        self.r = plan.learn(self.r, device, heard, self.clock())
-        after = self.r.device(device)
-        if after is before or after is None:
+        self.heard.append((device, heard))  # applied at the next tick, all in one copy
+
+    def apply_heard(self) -> None:
+        batch, self.heard, before = self.heard, [], self.r
+        self.r = plan.learn_all(before, batch, self.clock())
+        if self.r is before:
             return
         self.dirty = True
-        if before is not None and after.status != before.status and after.final:
-            why = f" ({after.reason})" if after.reason else ""
-            line = f"{device}: {after.status}{why} {after.message}".rstrip()
-            log.info("rollout %s: %s", self.r.spec.rollout_id, line)
-            self.say(line)
+        for device in dict.fromkeys(d for d, _ in batch):
+            old, new = before.device(device), self.r.device(device)
+            if old is not None and new is not None and new.status != old.status and new.final:
+                why = f" ({new.reason})" if new.reason else ""
+                line = f"{device}: {new.status}{why} {new.message}".rstrip()
+                log.info("rollout %s: %s", self.r.spec.rollout_id, line)
+                self.say(line)
 
     # ------------------------------------------------------------------ MQTT
 
@@ -400,12 +389,14 @@ class _Driver:
                     link = again
         finally:
             link.close()
+            self.apply_heard()
             for device, previous in self.unsent.items():
                 self.r = plan.unoffer(self.r, device, previous)
             self.save()
         return report(self.r)
 
     def tick(self, link: _Link) -> None:
+        self.apply_heard()
         before = self.r
         new, offers = plan.step(self.r, self.view.seen, self.clock())
         if new is before:

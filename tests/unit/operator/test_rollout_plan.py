@@ -366,6 +366,42 @@ def test_retry_failed_offers_a_second_attempt_that_old_reports_do_not_end() -> N
     assert r.state == State.COMPLETED and report(r).committed == 5
 
 
+PHASES = ("RECEIVED", "DOWNLOADING", "COMMITTED", "REJECTED", "ROLLED_BACK", "FAILED")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 7),  # d7 is not in the rollout
+            st.sampled_from(PHASES),
+            st.integers(-2, 6),  # stamped before the retry (ignored), or after
+            st.booleans(),  # live, or a retained copy
+            st.sampled_from([UPDATE, "u-other"]),
+        ),
+        max_size=25,
+    )
+)
+def test_learning_a_batch_is_learning_each_report_in_turn(
+    reports: list[tuple[int, str, int, bool, str]],
+) -> None:
+    """What the driver does (one `learn_all` per tick) is what `learn` per report does."""
+    ids = [f"d{i}" for i in range(7)]
+    r, _ = run(plan.create(spec(waves=(1.0,), max_failure_rate=1.0), T0), online(ids),
+               {"d1": "REJECTED", "d2": "DOWNLOADING"}, until=T0 + 1)  # fmt: skip
+    r = plan.retry_failed(r, T0 + 2)  # d1: a second attempt, ignoring reports before T0 + 2
+    heard = [
+        (f"d{i}", Heard(update, phase, "", "m", T0 + 2 + ts, live=live))
+        for i, phase, ts, live, update in reports
+    ]
+    one_by_one = r
+    for device, h in heard:
+        one_by_one = plan.learn(one_by_one, device, h, T0 + 9)
+    batch = plan.learn_all(r, heard, T0 + 9)
+    assert batch.devices == one_by_one.devices
+    assert (batch is r) == (one_by_one is r)
+
+
 def test_resuming_a_halted_rollout_excuses_the_failures_so_far() -> None:
     ids = [f"d{i:02d}" for i in range(20)]
     order = plan.ordered("r1", ids)
