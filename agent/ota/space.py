@@ -95,7 +95,8 @@ def check_activation(m: opb.Manifest, cache_dir: Path | None, margin: int) -> No
     a load without it would serve the model unprepared, its weights packed in memory
     (agent/runtime/prepare/cachefiles.py), at every start until there is room."""
     if cache_dir is not None:
-        _refuse(cache_dir, first_load_bytes(m), f"{_LOAD} {first_load_bytes(m)}", margin)
+        load = first_load_bytes(m)
+        _refuse(cache_dir, load, f"{_LOAD} {load}", margin)
 
 
 def retryable(rec: opb.UpdateRecord) -> bool:

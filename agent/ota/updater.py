@@ -345,7 +345,11 @@ class Updater:
             self.host.remove_unused_caches()  # what loading the failed model prepared
             return
         inst = self.installed()
-        self.store.switch(Installed(new, inst.current, inst.finished))
+        try:
+            self.store.switch(Installed(new, inst.current, inst.finished))
+        except Exception as exc:  # the pointer still names the old model (replaced atomically)
+            await self._unswitched(rec, inst.current, exc)
+            return
         crash_point("switched")  # the record still says activating: a restart continues the trial
         rec.trial_started_unix, rec.trial_elapsed_s = self.clock.wall(), 0.0
         self._enter(rec, R.TRIAL, f"serving {m.version_label or m.version}; trial running")
@@ -394,6 +398,21 @@ class Updater:
         self.store.remove_unused([Path(inst.current.model_dir)])
         self.host.remove_unused_caches()
         self.reports.transition(rec, reason)
+
+    async def _unswitched(self, rec: opb.UpdateRecord, old: ModelRef, exc: Exception) -> None:
+        """The new model serves but the pointer cannot name it (ENOSPC): serve the model the
+        pointer names again, remove the new one, then end ROLLED_BACK (`no_space`: retryable)."""
+        assert self.host is not None
+        try:
+            await self.host.activate(old, None)
+        except Exception:
+            log.exception("reloading %s failed; restarting", old.model_dir)
+            os._exit(1)  # the pointer names the old model: a restart serves it
+        code = space.NO_SPACE if space.is_no_space(exc) else ""
+        space.release(self.cleanup, rec)  # (room for the record)
+        why = f"the pointer to the new model cannot be written: {exc}" + (code and space.AGAIN)
+        self._finish(rec, R.ROLLED_BACK, why, code)
+        self.host.remove_unused_caches()
 
     # ------------------------------------------------------------------ records and reports
 

@@ -61,6 +61,13 @@ def state(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.fixture
+def small_state(tmp_path: Path) -> Iterator[Path]:
+    """The in-process device's state directory (`device`'s) on a tmpfs of its own."""
+    with tmpfs(tmp_path / "state", 32 * MiB) as path:
+        yield path
+
+
+@pytest.fixture
 def cache(tmp_path: Path) -> Iterator[Path]:
     """A weight cache directory on a filesystem of its own (the in-process test)."""
     with tmpfs(tmp_path / "cache", 16 * MiB) as path:
@@ -290,17 +297,24 @@ def test_no_room_for_the_new_models_first_load_is_no_space_at_the_offer_and_befo
 
 
 class PreparingHost(FileHost):
-    """`FileHost` whose load first writes the model's prepared copy into `cache`."""
+    """`FileHost` whose load first writes the model's prepared copy into `cache` (unless an
+    earlier load made it), then calls `after_load`."""
 
     cache: Path
+    after_load: Callable[[ModelRef], None] = staticmethod(lambda ref: None)
 
     def install_context(self, installed: ModelRef) -> InstallContext:
         return dataclasses.replace(super().install_context(installed), cache_dir=self.cache)
 
+    def prepare(self, ref: ModelRef) -> None:
+        copy = self.cache / f"{ref.sha256}.copy.tflite"
+        if not copy.exists():
+            assert prepare_file(Path(ref.model_dir) / "model_int8.tflite", copy).changed
+
     async def activate(self, ref: ModelRef, canary: opb.Canary | None) -> None:
-        model = Path(ref.model_dir) / "model_int8.tflite"
-        assert prepare_file(model, self.cache / f"{ref.sha256}.copy.tflite").changed
+        self.prepare(ref)
         await super().activate(ref, canary)
+        self.after_load(ref)
 
 
 def test_enospc_writing_the_prepared_copy_rolls_back_no_space_and_a_retry_commits(
@@ -324,7 +338,8 @@ def test_enospc_writing_the_prepared_copy_rolls_back_no_space_and_a_retry_commit
         rec = dev.store.record()
         assert rec is not None and (rec.state, rec.reason_code) == (R.ROLLED_BACK, "no_space")
         assert not list((dev.root / "state" / "models").iterdir())  # the built dir is gone
-        assert [p.name for p in cache.iterdir()] == [fillers[0].name]  # no partial copy
+        target = manifest_of(rec).target_model_sha256
+        assert not [p for p in cache.iterdir() if p.name.startswith(target)]  # no partial copy
         assert space.retryable(rec)  # its id is not used up
         assert manifest_of(rec).update_id not in host.updater.installed().finished
         # room again: the same update, offered again, commits
@@ -340,12 +355,50 @@ def test_enospc_writing_the_prepared_copy_rolls_back_no_space_and_a_retry_commit
     asyncio.run(run())
 
 
+def test_enospc_writing_the_pointer_to_the_loaded_model_serves_the_old_one_again(
+    models, trusted, payload, small_state, tmp_path
+):
+    """The new model has loaded and serves; the disk fills before the pointer names it: the
+    old model serves again, the new one is removed, ROLLED_BACK `no_space`, retryable."""
+    dev = device(tmp_path, models, trusted, 0.0, synced=True)
+    dev.config = dataclasses.replace(dev.config, min_free_bytes=MiB)
+    cache = small_state / "cache"
+    cache.mkdir()
+    fillers: list[Path] = []
+
+    def fill_once(ref: ModelRef) -> None:
+        if ref.version == 1 and not fillers:  # another writer, right after the load
+            fillers.append(fill(small_state, leave=0))
+
+    async def run() -> None:
+        host = await start(dev, cache, lambda status: None)
+        host.after_load = fill_once
+        assert (await host.updater.offer(payload)).phase == Phase.RECEIVED
+        final = await dev.final(host)
+        assert (final.phase, final.reason_code) == (Phase.ROLLED_BACK, space.NO_SPACE), final
+        assert "pointer to the new model cannot be written" in final.message, final.message
+        assert host.serving.version == 0  # loaded again
+        assert dev.store.installed() is None  # the pointer never named the new model
+        rec = dev.store.record()  # written once the new model's directory was removed
+        assert rec is not None and (rec.state, rec.reason_code) == (R.ROLLED_BACK, "no_space")
+        assert not list((small_state / "models").iterdir())
+        fillers[0].unlink()
+        host.final.clear()
+        assert (await host.updater.offer(payload)).phase == Phase.RECEIVED
+        final = await dev.final(host)
+        assert final.phase == Phase.COMMITTED, (final, host.phases())
+        assert host.serving.version == 1 and dev.store.installed() is not None
+
+    asyncio.run(run())
+
+
 async def start(dev, cache: Path, on_report) -> PreparingHost:  # type: ignore[no-untyped-def]
     """What the daemon does at a start (`Device.start`), with a `PreparingHost`."""
     up = Updater(dev.store, dev.config, model_ref(dev.models.base), clock=dev.clock)
     up.boot()
     host = PreparingHost(up, on_report)
     host.cache = cache
+    host.prepare(host.serving)  # as the daemon's start does
     up.attach(host)
     await up.resume()
     return host
