@@ -18,8 +18,8 @@ from pathlib import Path
 from agent.model import room
 from agent.ota.artifact.manifest import UpdateRejected
 from agent.ota.cleanup import Cleanup
-from agent.ota.reports import manifest_of
-from agent.ota.store import Store
+from agent.ota.reports import Reports, manifest_of
+from agent.ota.store import Installed, Store
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 log = logging.getLogger(__name__)
@@ -141,6 +141,26 @@ def save_final(store: Store, rec: opb.UpdateRecord) -> None:
             manifest_of(rec).update_id,
             exc,
         )
+
+
+def serving_new(rec: opb.UpdateRecord, inst: Installed) -> bool:
+    """Whether the pointer names the update's new model: it was switched at activation."""
+    target = manifest_of(rec).target_model_sha256
+    return rec.state in (R.ACTIVATING, R.TRIAL) and inst.current.sha256 == target
+
+
+def stalled(reports: Reports, rec: opb.UpdateRecord, exc: BaseException) -> None:
+    """ENOSPC once the pointer names the new model (entering or during its trial, at its
+    commit): ending the update needs writes the disk refuses, and ending it REJECTED would
+    misreport a device that serves the new model. The update stops where the record and the
+    pointer on disk say, the new model serving: the next start continues its trial (counted as
+    a restart), as after a crash. Logged and reported as progress."""
+    why = (
+        f"no space left on the device while the new model serves ({exc}): the update stops "
+        "here; the next start continues its trial"
+    )
+    log.error("update %s: %s", manifest_of(rec).update_id, why)
+    reports.progress(rec, why)
 
 
 def message(exc: BaseException, store: Store) -> str:

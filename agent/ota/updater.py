@@ -282,7 +282,9 @@ class Updater:
                 await pause_point(R.State.Name(rec.state).lower())
                 await step(rec, m)
         except Exception as exc:  # whatever went wrong (not a CancelledError), the model serves
-            if space.is_no_space(exc):  # a full disk: the update ends, retryable (space.py)
+            if space.is_no_space(exc) and space.serving_new(rec, self.installed()):
+                space.stalled(self.reports, rec, exc)  # no end can be written (space.py)
+            elif space.is_no_space(exc):  # a full disk: the update ends, retryable (space.py)
                 space.release(self.cleanup, rec)
                 self._finish(rec, R.REJECTED, space.message(exc, self.store), space.NO_SPACE)
             elif isinstance(exc, manifest.UpdateRejected):

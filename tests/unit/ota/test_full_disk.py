@@ -33,7 +33,7 @@ from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from agent.runtime.prepare.inline import prepare_file
 from tests.support.daemon_harness import Daemon
 from tests.support.fleetsim import model_ref
-from tests.support.tmpfs import fill, tmpfs
+from tests.support.tmpfs import PAGE, fill, free, tmpfs
 from tests.system import test_updates
 from tests.system.test_fleet_link import PREFIX, Observer, options
 from tests.system.test_updates import _req, _signed, config, over_http, statuses
@@ -388,6 +388,54 @@ def test_enospc_writing_the_pointer_to_the_loaded_model_serves_the_old_one_again
         final = await dev.final(host)
         assert final.phase == Phase.COMMITTED, (final, host.phases())
         assert host.serving.version == 1 and dev.store.installed() is not None
+
+    asyncio.run(run())
+
+
+def test_enospc_once_the_new_model_serves_leaves_its_trial_to_the_next_start(
+    models, trusted, payload, small_state, tmp_path
+):
+    """The pointer names the new model and the disk fills before the record says TRIAL: no end
+    can be written, and REJECTED would misreport a device serving the new model. The update
+    stops (reported as progress, the new model serving); the next start continues its trial,
+    and it commits."""
+    dev = device(tmp_path, models, trusted, 0.0, synced=True)
+    dev.config = dataclasses.replace(dev.config, min_free_bytes=MiB)
+    cache = small_state / "cache"
+    cache.mkdir()
+    fillers: list[Path] = []
+
+    def one_page_left(ref: ModelRef) -> None:
+        """Room for the pointer's page, none for the record's after it."""
+        if ref.version != 1 or fillers:
+            return
+        fillers.append(fill(small_state, leave=PAGE))
+        while free(small_state) > PAGE:
+            fillers.append(small_state / f"page-{len(fillers)}")
+            fillers[-1].write_bytes(b"\0" * PAGE)
+        assert free(small_state) == PAGE
+
+    async def run() -> None:
+        host = await start(dev, cache, lambda status: None)
+        host.after_load = one_page_left
+        assert (await host.updater.offer(payload)).phase == Phase.RECEIVED
+        task = host.updater._task
+        assert task is not None
+        await asyncio.wait_for(task, test_update_clock.WAIT_S)
+        assert not host.final.is_set(), host.phases()  # no end reported
+        assert "the next start continues its trial" in host.reports[-1].message
+        assert host.serving.version == 1
+        inst = dev.store.installed()
+        assert inst is not None and inst.current.version == 1  # the pointer names it
+        rec = dev.store.record()
+        assert rec is not None and rec.state == R.ACTIVATING  # the TRIAL record did not fit
+        for f in fillers:
+            f.unlink()
+        again = await start(dev, cache, lambda status: None)  # a restart: the trial goes on
+        final = await dev.final(again)
+        assert final.phase == Phase.COMMITTED, (final, again.phases())
+        rec = dev.store.record()
+        assert rec is not None and rec.trial_restarts == 1
 
     asyncio.run(run())
 
