@@ -144,14 +144,16 @@ def save_final(store: Store, rec: opb.UpdateRecord) -> None:
 
 
 def serving_new(rec: opb.UpdateRecord, inst: Installed) -> bool:
-    """Whether the pointer names the update's new model: it was switched at activation."""
+    """Whether the pointer names the update's new model (switched at activation): in the
+    trial, or ending it (the state set, its record refused)."""
     target = manifest_of(rec).target_model_sha256
-    return rec.state in (R.ACTIVATING, R.TRIAL) and inst.current.sha256 == target
+    after = (R.ACTIVATING, R.TRIAL, R.COMMITTED, R.ROLLED_BACK)
+    return rec.state in after and inst.current.sha256 == target
 
 
 def stalled(reports: Reports, rec: opb.UpdateRecord, exc: BaseException) -> None:
-    """ENOSPC once the pointer names the new model (entering or during its trial, at its
-    commit): ending the update needs writes the disk refuses, and ending it REJECTED would
+    """ENOSPC once the pointer names the new model (entering or during its trial, writing its
+    end): ending the update needs writes the disk refuses, and ending it REJECTED would
     misreport a device that serves the new model. The update stops where the record and the
     pointer on disk say, the new model serving: the next start continues its trial (counted as
     a restart), as after a crash. Logged and reported as progress."""
