@@ -7,6 +7,8 @@ so callers above that boundary only ever see these types.
 
 from __future__ import annotations
 
+MAX_VALUE_CHARS = 200  # of a bad value's repr in a ConfigError's message
+
 
 class AgentError(Exception):
     """Base of every error edge-agent raises on purpose."""
@@ -23,7 +25,10 @@ class ConfigError(AgentError):
         self.key = key
         self.value = value
         self.allowed = allowed
-        super().__init__(f"{source}: {key} = {value!r} is not valid; allowed: {allowed}")
+        shown = repr(value)
+        if len(shown) > MAX_VALUE_CHARS:  # one line, even for a huge value
+            shown = f"{shown[: MAX_VALUE_CHARS - 20]}... ({len(shown):,} characters)"
+        super().__init__(f"{source}: {key} = {shown} is not valid; allowed: {allowed}")
 
 
 class ProfileNotFound(AgentError):

@@ -55,6 +55,19 @@ def test_bad_broker_lists(broker: object, key: str, says: str) -> None:
     assert key in str(err.value) and says in str(err.value)
 
 
+def test_a_huge_bad_value_is_shown_cut_on_one_line() -> None:
+    urls = [f"mqtt://node-{i}.lan" for i in range(300)]
+    with pytest.raises(ConfigError) as err:
+        parse_config({"fleet": {"broker": urls}}, SRC)
+    message = str(err.value)
+    assert "\n" not in message and len(message) < 400, message
+    assert "mqtt://node-0.lan" in message and f"({len(repr(urls)):,} characters)" in message
+    assert message.endswith(
+        "allowed: 1 to 16 of mqtt://HOST:PORT or mqtts://HOST:PORT (mqtts: TLS)"
+    )
+    assert err.value.value == urls  # the whole value stays on the error
+
+
 def _args(tmp_path: Path, *argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     _connection_args(p)
