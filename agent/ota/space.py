@@ -15,11 +15,12 @@ import errno
 import logging
 from pathlib import Path
 
+from agent.base.errors import AgentError
 from agent.model import room
 from agent.ota.artifact.manifest import UpdateRejected
 from agent.ota.cleanup import Cleanup
 from agent.ota.reports import Reports, manifest_of
-from agent.ota.store import Installed, Store
+from agent.ota.store import Installed, ModelRef, Store
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ NO_SPACE = "no_space"
 _LOAD = "first load of the new model, a bound"
 AGAIN = "; offer it again once there is room"
 _FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+ENDED = (R.COMMITTED, R.ROLLED_BACK, R.REJECTED)
 
 
 def is_no_space(exc: BaseException) -> bool:
@@ -172,3 +174,35 @@ def message(exc: BaseException, store: Store) -> str:
         f"no space left on the device: {exc}; what the update wrote is removed "
         f"({free if free is not None else '?'} bytes free now); offer it again once there is room"
     )
+
+
+def boot_on_a_full_disk(store: Store, shipped: ModelRef, exc: BaseException) -> ModelRef:
+    """A start whose boot could not write (ENOSPC): the model to serve, chosen without writing
+    anything. An update that had not ended (activating, in its trial, or a rollback whose
+    pointer did not move yet) is left as it is on disk and its new model is not loaded — this
+    start could not count a trial restart, and that count is what stops a crash loop — so the
+    last known good model serves (the shipped one if none verifies); the next start with room
+    carries the update on. AgentError when no model verifies."""
+    rec, inst = store.record(), store.installed() or Installed(shipped)
+    unended = rec is not None and rec.state not in (R.COMMITTED, R.REJECTED, R.STATE_UNSPECIFIED)
+    target = manifest_of(rec).target_model_sha256 if rec is not None and unended else ""
+    choices = [inst.current, inst.last_good, shipped]
+    for ref in choices:
+        if ref is not None and ref.sha256 != target and ref.verify() is None:
+            log.warning(
+                "the disk is full (%s): serving %s %s without writing; the update waits for "
+                "a start with room",
+                exc,
+                ref.version,
+                ref.sha256[:12],
+            )
+            return ref
+    raise AgentError(f"the disk is full ({exc}) and no model other than the update's verifies")
+
+
+def held(reports: Reports, rec: opb.UpdateRecord | None, why: str) -> None:
+    """`resume` after `boot_on_a_full_disk`: an update that had not ended waits (progress)."""
+    if rec is not None and rec.state not in (*ENDED, R.STATE_UNSPECIFIED):
+        text = f"{why}: the last good model serves; the update goes on at a start with room"
+        log.warning("update %s: %s", manifest_of(rec).update_id, text)
+        reports.progress(rec, text)

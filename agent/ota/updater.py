@@ -43,24 +43,13 @@ TRIAL_SAVE_S = 10.0  # the trial's elapsed time is written at least this often (
 
 class Updater:
     """The update state machine. The record (`Store.save`, fsynced) is written *before* each side
-    effect, so after a crash or a power cut `boot()` and `resume()` continue from it:
-
-    * `boot()` runs before the first model load and decides which model to load: the pointer's
-      current model if its file still has the recorded sha256 (else the last known good one); an
-      update that crashed while activating, or crash-loops in its trial, is rolled back here.
-    * `resume()` runs once the daemon serves and continues an interrupted download, stage,
-      activation or trial.
-
-    Reports: each transition is reported right after its record is saved, with an idempotency key
-    (update id and state); `attach()` re-reports the record's state at every start, so a crash
-    between the record and its report loses nothing, and the outbox records each key once.
-
-    It runs on the daemon's event loop (downloads and patching in a worker thread); the current
-    model serves until the new one has loaded beside it and passed its canary. Beside it: the
-    steps' work (download.py, staging.py), the record and the pointer (store.py), the reports
-    (reports.py), what follows an ended update (cleanup.py), a full disk (space.py), the clock's
-    judgement (timing.py), a cancel's interrupt (interrupt.py) and what the daemon provides
-    (host.py).
+    effect, and each transition reported after it with an idempotency key, so after a crash or
+    a power cut `boot()` (before the first load: which model to load; a crashed activation or a
+    crash-looping trial is rolled back) and `resume()` (once serving) continue from it, and
+    `attach()` re-reports the record's state. It runs on the daemon's event loop (downloads and
+    patching in a worker thread); the current model serves until the new one has loaded beside
+    it and passed its canary. Beside it: download.py, staging.py, store.py, reports.py,
+    cleanup.py, space.py (a full disk), timing.py, interrupt.py and host.py (the daemon's side).
     """
 
     def __init__(
@@ -84,6 +73,8 @@ class Updater:
         self.reports = Reports(self.installed)
         self.cleanup = Cleanup(self.store, self.installed)
         self.timing = Timing(self.clock, self.reports, self.interrupt)
+        # why boot could not write (a full disk) and what serves instead: no update moves
+        self.held: tuple[str, ModelRef] | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -91,7 +82,7 @@ class Updater:
         return self.store.installed() or Installed(self.shipped)
 
     def serving_ref(self) -> ModelRef:
-        return self.installed().current
+        return self.held[1] if self.held else self.installed().current
 
     def last_status(self) -> fpb.UpdateStatus | None:
         rec = self.store.record()
@@ -100,14 +91,25 @@ class Updater:
     # ------------------------------------------------------------------ boot
 
     def boot(self) -> ModelRef:
-        """Before the first load: finish what a crash left, and say which model to load."""
+        """Before the first load: finish what a crash left, and say which model to load
+        (`space.boot_on_a_full_disk` when that cannot be written)."""
+        try:
+            return self._boot()
+        except OSError as exc:
+            if not space.is_no_space(exc):
+                raise
+            ref = space.boot_on_a_full_disk(self.store, self.shipped, exc)
+            self.held = (f"{exc.strerror or exc} at the start", ref)
+            return ref
+
+    def _boot(self) -> ModelRef:
         rec = self.store.record()
         inst = self.installed()
         if rec is not None and rec.state not in (*FINAL, R.STATE_UNSPECIFIED):
             # the state a crash interrupted may be unreported; `attach` sends it (once)
             self.reports.transition(rec, rec.reason, rec.reason_code)
         if rec is not None and rec.state == R.ACTIVATING:
-            target = self._manifest(rec).target_model_sha256
+            target = manifest_of(rec).target_model_sha256
             if inst.current.sha256 == target:  # the switch happened: this start is a trial start
                 rec.state = R.TRIAL
                 rec.trial_started_unix = rec.trial_started_unix or self.clock.wall()
@@ -115,7 +117,7 @@ class Updater:
             else:
                 self._finish(rec, R.ROLLED_BACK, "the agent restarted while activating")
         if rec is not None and rec.state == R.ROLLED_BACK:
-            target = self._manifest(rec).target_model_sha256
+            target = manifest_of(rec).target_model_sha256
             if inst.current.sha256 == target:  # a crash between the record and the switch
                 inst = self._rollback_pointer(rec, rec.reason, report=False)
         if rec is not None and rec.state == R.TRIAL:
@@ -177,16 +179,15 @@ class Updater:
         """Once serving: continue an interrupted update, or finish the cleanup of an ended one
         (a crash may have come between its record and its cleanup)."""
         rec = self.store.record()
-        if rec is not None and rec.state in FINAL:
+        if self.held:  # a start on a full disk: nothing moves until a start with room
+            space.held(self.reports, rec, self.held[0])
+        elif rec is not None and rec.state in FINAL:
             space.complete(self.cleanup, rec)
             assert self.host is not None
             self.host.remove_unused_caches()
         elif rec is not None and rec.state != R.STATE_UNSPECIFIED:
-            log.info(
-                "update %s: resuming in state %s",
-                self._manifest(rec).update_id,
-                R.State.Name(rec.state),
-            )
+            name = R.State.Name(rec.state)
+            log.info("update %s: resuming in state %s", manifest_of(rec).update_id, name)
             self._start(rec)
 
     async def offer(self, signed_bytes: bytes) -> fpb.UpdateStatus:
@@ -195,9 +196,12 @@ class Updater:
             signed = opb.SignedManifest.FromString(signed_bytes)
         except Exception as exc:
             return self.reports.rejected("", "malformed", f"malformed SignedManifest: {exc}")
+        if self.held:  # the pointer and record are not what serves: restart with room first
+            why = f"{self.held[0]}: offers wait for a start with room"
+            return self.reports.rejected("", space.NO_SPACE, why)
         busy = self.store.record()
         if busy is not None and busy.state not in FINAL and self._task and not self._task.done():
-            m = self._manifest(busy)
+            m = manifest_of(busy)
             return self.reports.rejected(
                 "", "busy", f"update {m.update_id} is in progress ({R.State.Name(busy.state)})"
             )
@@ -248,7 +252,7 @@ class Updater:
         running = rec is not None and task is not None and not task.done()
         check_cancellable(cancel, rec if running else None, rec, CANCELLABLE)
         assert rec is not None and task is not None
-        m = self._manifest(rec)
+        m = manifest_of(rec)
         reason = f"cancelled by the operator (key {kid})" + (
             f": {cancel.reason}" if cancel.reason else ""
         )
@@ -271,7 +275,7 @@ class Updater:
         self._task = asyncio.get_running_loop().create_task(self._run(rec))
 
     async def _run(self, rec: opb.UpdateRecord) -> None:
-        m = self._manifest(rec)
+        m = manifest_of(rec)
         try:
             while rec.state not in FINAL:
                 if rec.state in CANCELLABLE:
@@ -439,9 +443,5 @@ class Updater:
         if report:
             self.reports.transition(rec, message, code)
         (log.info if state == R.COMMITTED else log.warning)(
-            "update %s: %s: %s", self._manifest(rec).update_id, R.State.Name(state), message
+            "update %s: %s: %s", manifest_of(rec).update_id, R.State.Name(state), message
         )
-
-    @staticmethod
-    def _manifest(rec: opb.UpdateRecord) -> opb.Manifest:
-        return manifest_of(rec)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -429,6 +430,15 @@ def test_enospc_once_the_new_model_serves_leaves_its_trial_to_the_next_start(
         assert inst is not None and inst.current.version == 1  # the pointer names it
         rec = dev.store.record()
         assert rec is not None and rec.state == R.ACTIVATING  # the TRIAL record did not fit
+        # a start with the disk still full: boot cannot count the trial's restart, so the
+        # new model is not loaded; the last good one serves and nothing on disk moves
+        record, pointer = dev.store.record(), dev.store.installed()
+        full = await start(dev, cache, lambda status: None)
+        assert full.serving.version == 0, full.phases()
+        assert "goes on at a start with room" in full.reports[-1].message
+        refused = await full.updater.offer(payload)  # the record is not what serves: no offer
+        assert (refused.phase, refused.reason_code) == (Phase.REJECTED, "no_space"), refused
+        assert (dev.store.record(), dev.store.installed()) == (record, pointer)
         for f in fillers:
             f.unlink()
         again = await start(dev, cache, lambda status: None)  # a restart: the trial goes on
@@ -438,6 +448,43 @@ def test_enospc_once_the_new_model_serves_leaves_its_trial_to_the_next_start(
         assert rec is not None and rec.trial_restarts == 1
 
     asyncio.run(run())
+
+
+def test_a_start_on_a_full_disk_in_the_trial_serves_the_old_model_until_a_start_with_room(
+    models, trusted, broker, state, tmp_path
+):
+    """The real daemon, killed in its trial (the new model serving), started again on a full
+    disk: boot cannot count the trial's restart, so it serves the last good model, writes
+    nothing and says why; started with room, the trial goes on and commits."""
+    _, http, path = over_http(models, tmp_path, 3)
+    device = "dev-full-boot"
+    watch = Observer(broker, "full-boot")
+    store = Store(state)
+    d = _start(tmp_path, models, broker, trusted, device, pause_at="trial")
+    try:
+        assert _offer(broker, device, path).phase == Phase.RECEIVED
+        _wait(lambda: (r := store.record()) is not None and r.state == R.TRIAL, "in its trial")
+        d.signal(signal.SIGKILL)
+        d.proc.wait(30)
+        record, pointer = store.record(), store.installed()
+        assert pointer is not None and pointer.current.version == 3
+        filler = fill(state, leave=0)
+        d = _start(tmp_path, models, broker, trusted, device, pause_at="")
+        _serves(d, "1.0.0")
+        assert "goes on at a start with room" in d.read_log()
+        assert (store.record(), store.installed()) == (record, pointer)
+        assert d.stop() == 0, d.read_log()
+        filler.unlink()
+        d = _start(tmp_path, models, broker, trusted, device, pause_at="")
+        final = _wait_final(watch, device, 1)
+        assert final.phase == Phase.COMMITTED, final
+        _serves(d, "1.1.0")
+        rec = store.record()
+        assert rec is not None and rec.trial_restarts == 1  # the full start was not one
+    finally:
+        assert d.stop() == 0, d.read_log()
+        http.close()
+        watch.close()
 
 
 async def start(dev, cache: Path, on_report) -> PreparingHost:  # type: ignore[no-untyped-def]
