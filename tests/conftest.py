@@ -85,6 +85,7 @@ SLOW_FILES = frozenset(
         "tests/system/test_client_dist.py",
         "tests/system/test_daemon.py",
         "tests/system/test_fleet_rabbitmq.py",
+        "tests/system/test_power_cut_daemon.py",
         "tests/system/test_updates.py",
         "tests/system/test_wheel.py",
         "tests/unit/operator/test_fleet_scale.py",

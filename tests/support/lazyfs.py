@@ -85,6 +85,14 @@ class LazyFS(mfusepy.Operations):  # type: ignore[misc]
         self.syncs = 0  # fsync and fsyncdir calls among them
         self._limit: int | None = None
         self.dead = False
+        self.off_at: str | None = None  # the boundary the power went off before
+        # called (on the FUSE thread, before the refused operation answers) when the power goes
+        # off: a test kills its processes there, as a power cut stops them, before they see EIO
+        self.on_power_off: Callable[[str], None] | None = None
+        # `cut` keeps every directory entry, synced or not, and drops only unsynced data: a
+        # filesystem that commits names before data (ext4 data=writeback, a journal commit
+        # between a rename and the data's sync), where a name may outlive its content
+        self.names_first = False
         backing.mkdir(parents=True, exist_ok=True)
         self._snapshot()
 
@@ -96,6 +104,7 @@ class LazyFS(mfusepy.Operations):  # type: ignore[misc]
             self.boundaries = self.syncs = 0
             self.trace = []
             self._limit = n
+            self.off_at = None
 
     def sync(self) -> None:
         """Make everything durable (``sync(2)``)."""
@@ -110,6 +119,10 @@ class LazyFS(mfusepy.Operations):  # type: ignore[misc]
                 with contextlib.suppress(OSError):
                     os.close(fd)
             self._handles.clear()
+            if self.names_first:
+                for top, dirs, files in os.walk(self.backing):
+                    names = {n: os.lstat(os.path.join(top, n)).st_ino for n in dirs + files}
+                    self._dirs[os.lstat(top).st_ino] = names
             where = self._where()
             for ino, data in self._saved.items():
                 if ino in where:
@@ -124,14 +137,18 @@ class LazyFS(mfusepy.Operations):  # type: ignore[misc]
             self._snapshot()
             self._limit = None
             self.dead = False
+            self.off_at = None
             self.boundaries = self.syncs = 0
             self.trace = []
 
     # ------------------------------------------------------------------ the model
 
     def _boundary(self, what: str) -> None:
-        if self._limit is not None and self.boundaries >= self._limit:
+        if self._limit is not None and self.boundaries >= self._limit and not self.dead:
             self.dead = True
+            self.off_at = what
+            if self.on_power_off is not None:
+                self.on_power_off(what)
         if not self.dead:
             self.boundaries += 1
             self.trace.append(what)
