@@ -91,6 +91,7 @@ SLOW_FILES = frozenset(
         "tests/unit/operator/test_fleet_scale.py",
         "tests/unit/ota/test_update_clock.py",
         "tests/unit/ota/test_update_reports.py",
+        "tests/unit/runtime/test_prepared_power_cut.py",
     }
 )
 

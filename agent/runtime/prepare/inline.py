@@ -238,6 +238,11 @@ def prepare_file(
                 with open(tmp, "wb") as out:
                     ov.write(out)
                     _copy_weights(f, out, start)
+                    out.flush()
+                    # synced before it is named: a filesystem may commit the renames (this one
+                    # and the one to the checked name) before the data, and a later load trusts
+                    # the checked name
+                    os.fsync(out.fileno())
                 tmp.replace(dst)
             except BaseException:  # ENOSPC mid-copy: the partial copy goes, its room with it
                 tmp.unlink(missing_ok=True)
