@@ -465,9 +465,10 @@ def body(data: dict[str, Any]) -> str:
         lines += [
             "**The operator's rules and state store alone** (`--rules`; no broker, no devices,",
             "in one process: every device online, each offered one reporting the 7 phases of",
-            "an update one 0.2 s tick after another, `plan.step` every tick, the state saved",
-            "before each offer and at most once a second otherwise, as the running rollout",
-            "does). What the operator's CPU grows with, apart from MQTT:",
+            "an update one 0.2 s tick after another, a tick's statuses applied at once",
+            "(`plan.learn_all`), `plan.step` every tick, the state saved before each offer and",
+            "at most once a second otherwise, as the running rollout does). What the",
+            "operator's CPU grows with, apart from MQTT:",
             "",
             "| devices | statuses heard | CPU, whole rollout | per status heard | peak RSS "
             "| state db |",
