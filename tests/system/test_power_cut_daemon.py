@@ -140,6 +140,7 @@ class Rig:
         self.offer = sign(m, [KEY]).SerializeToString()
         self.watch = Observer(broker, f"cut-watch-{time.monotonic_ns()}")
         self.daemon: Daemon | None = None
+        self.pruned = 0  # how many cache files the commit removes (the old model's)
         fs.on_power_off = self._power_off
 
     def _power_off(self, what: str) -> None:
@@ -173,12 +174,15 @@ class Rig:
         return [fpb.Event.FromString(s.payload).update for s in seen if s.topic == topic]
 
     def update(self, device: str) -> None:
-        """Offer the update and return once it is committed or the power is off."""
+        """Offer the update and return once the power is off, or once it is committed and the
+        old model's cache files (`pruned` of them) are deleted: the last boundaries."""
         threading.Thread(target=self._send, args=(device,), daemon=True).start()
         deadline = time.monotonic() + 300  # a limit for an update that never ends
         while not self.fs.dead:
             phases = [s.phase for s in self.statuses(device)]
-            if Phase.COMMITTED in phases:
+            assert self.daemon is not None
+            removed = self.daemon.read_log().count("weight cache removed")
+            if Phase.COMMITTED in phases and removed >= self.pruned:
                 return
             bad = {Phase.ROLLED_BACK, Phase.REJECTED, Phase.FAILED} & set(phases)
             assert not bad, [Phase.Phase.Name(p) for p in phases]
@@ -240,6 +244,7 @@ def _run(rig: Rig, tmp: Path) -> None:
     old = rig.tokens(d)
     assert d.stop() == 0, d.read_log()
     snapshot = tmp / "before-update"
+    rig.pruned = len(list((mnt / "state" / "cache" / "xnnpack").iterdir()))
     shutil.copytree(mnt / "state", snapshot / "state", symlinks=True)
     rig.fresh(snapshot)
     d = rig.start(tmp / "rec-1", "dev-cut-rec1")
