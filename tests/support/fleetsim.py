@@ -586,6 +586,7 @@ class FleetSim:
         max_download_attempts: int = 20,
         activate_s: float = 0.0,
         tick_s: float = 1.0,
+        loop_s: float | None = None,
         batch: int = 50,
         workers: int = 16,
     ) -> None:
@@ -598,6 +599,7 @@ class FleetSim:
         self.held: frozenset[str] = frozenset()  # devices whose activation waits for release()
         self._released = threading.Event()
         self.tick_s = tick_s
+        self.loop_s = loop_s  # each link's network poll (None: the daemon's, 0.1 s)
         self.batch = batch
         self.shipped = shipped if isinstance(shipped, ModelRef) else model_ref(shipped)
         self.fleet = FleetConfig(
@@ -766,6 +768,8 @@ class FleetSim:
             fleet, spec.device_id, rt.state_dir, engine, self._loop, sys_root=self._sys_root
         )
         engine.fleet = agent
+        if self.loop_s is not None:
+            agent.link.loop_s = self.loop_s
         rt.agent, rt.updater, rt.engine = agent, updater, engine
         if spec.behaviour == "offline" and not rt.vanished:
             self._vanish_on_offer(rt, agent.link)

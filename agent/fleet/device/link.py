@@ -157,6 +157,8 @@ class FleetLink:
         self.session = 0
         self.connects = 0
         self._at = 0  # which of opts.brokers we connect to next (or are connected to)
+        self.loop_s = LOOP_S  # the network thread's poll for health and events (a simulator
+        # with a thousand links in one process sets it longer: each poll is a GIL handoff)
         self._thread = threading.Thread(target=self._run, name="edge-agent-fleet", daemon=True)
 
     # ------------------------------------------------------------------ any thread
@@ -235,7 +237,7 @@ class FleetLink:
                 self._stop.wait(backoff.delay())
                 continue
             while not self._stop.is_set():
-                rc = self._client.loop(timeout=LOOP_S)
+                rc = self._client.loop(timeout=self.loop_s)
                 if rc != mqtt.MQTT_ERR_SUCCESS:
                     break
                 if self._connected.is_set():
