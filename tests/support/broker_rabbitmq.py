@@ -175,6 +175,7 @@ class RabbitMQ:
             self.epmd = subprocess.Popen(
                 [EPMD, "-port", str(self.epmd_port), "-address", "127.0.0.1"],
                 env=self.env,
+                cwd=self.dir,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
@@ -183,6 +184,8 @@ class RabbitMQ:
             self.proc = subprocess.Popen(
                 [str(RABBITMQ_BIN / "rabbitmq-server")],
                 env=self.env,
+                cwd=self.dir,  # Erlang writes Mnesia.<node>/ into its working directory when
+                # a path does not say where: never into the checkout
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -239,6 +242,7 @@ class RabbitMQ:
         done = subprocess.run(
             [str(RABBITMQ_BIN / "rabbitmqctl"), "-n", self.node, *args],
             env=self.env,
+            cwd=self.dir,
             capture_output=True,
             timeout=timeout,
             check=False,
@@ -277,6 +281,7 @@ class RabbitCluster:
         self.epmd = subprocess.Popen(
             [EPMD, "-port", str(self.epmd_port), "-address", "127.0.0.1"],
             env=self.nodes[0].env,
+            cwd=self.nodes[0].dir,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
