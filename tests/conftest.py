@@ -21,6 +21,7 @@ from tests.support.tiny_models import (  # noqa: F401  (pytest fixtures)
     tiny_model_factory,
     tiny_tokenizer,
 )
+from tests.support.tmpfs import one_mib_fs  # noqa: F401  (a pytest fixture)
 
 ProfileMaker = Callable[..., DeviceProfile]
 

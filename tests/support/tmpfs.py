@@ -52,3 +52,10 @@ def fill(path: Path, leave: int, name: str = "filler") -> Path:
                     break
     assert free(path) <= leave + PAGE, (free(path), leave)
     return filler
+
+
+@pytest.fixture
+def one_mib_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs of the test's own (the full-disk tests of small writers)."""
+    with tmpfs(tmp_path / "fs", 1 << 20) as path:
+        yield path

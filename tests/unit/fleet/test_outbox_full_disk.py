@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from agent.fleet.device.outbox import Outbox, event_name
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
-from tests.support.tmpfs import fill, free, tmpfs
+from tests.support.tmpfs import fill, free
 
 pytestmark = pytest.mark.root
 
@@ -32,29 +31,26 @@ def _files(directory: Path) -> list[str]:
     return sorted(n for n in os.listdir(directory) if n.endswith((".event", ".tmp")))
 
 
-@pytest.fixture
-def fs(tmp_path: Path) -> Iterator[Path]:
-    with tmpfs(tmp_path / "fs", 1 << 20) as path:
-        yield path
-
-
 def test_reports_on_a_full_disk_wait_in_memory_and_reach_the_disk_when_room_is_back(
-    fs: Path, caplog: pytest.LogCaptureFixture
+    one_mib_fs: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     P = fpb.UpdateStatus
-    box = Outbox(fs / "events", max_items=100)
+    box = Outbox(one_mib_fs / "events", max_items=100)
     a = box.append(_update("u1", P.RECEIVED))
     b = box.append(_update("u1", P.DOWNLOADING))
     assert a is not None and b is not None
-    filler = fill(fs, leave=0)
-    assert free(fs) == 0
+    filler = fill(one_mib_fs, leave=0)
+    assert free(one_mib_fs) == 0
     with caplog.at_level(logging.INFO, logger="agent.fleet.device.outbox"):
         c = box.append(_update("u1", P.REJECTED))  # the no_space report, say
         d = box.append(_update("u1", P.REJECTED))  # re-derived after a restart: same key
         e = box.append(_update("u1", P.DOWNLOADING, key=False))  # progress: no key
     assert c is not None and d is None and e is not None
     assert "No space left on device" in caplog.text
-    assert _files(fs / "events") == [event_name(a.seq), event_name(b.seq)]  # no partial file
+    assert _files(one_mib_fs / "events") == [
+        event_name(a.seq),
+        event_name(b.seq),
+    ]  # no partial file
     # delivery goes on, from disk and from memory, in order
     assert box.peek() == a
     box.ack(a.seq)  # frees a's file: room for one page
@@ -66,8 +62,8 @@ def test_reports_on_a_full_disk_wait_in_memory_and_reach_the_disk_when_room_is_b
     with caplog.at_level(logging.INFO, logger="agent.fleet.device.outbox"):
         f = box.append(_update("u2", P.RECEIVED))
     assert f is not None and "writable again" in caplog.text
-    assert _files(fs / "events") == [event_name(s) for s in (c.seq, e.seq, f.seq)]
-    again = Outbox(fs / "events", max_items=100)  # a restart
+    assert _files(one_mib_fs / "events") == [event_name(s) for s in (c.seq, e.seq, f.seq)]
+    again = Outbox(one_mib_fs / "events", max_items=100)  # a restart
     assert [again.peek()] == [c]
     assert again.has_key(c.key) and again.has_key(f.key)
     assert again.append(_update("u1", P.REJECTED)) is None

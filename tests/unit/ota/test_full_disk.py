@@ -361,10 +361,7 @@ def test_enospc_writing_the_pointer_to_the_loaded_model_serves_the_old_one_again
 ):
     """The new model has loaded and serves; the disk fills before the pointer names it: the
     old model serves again, the new one is removed, ROLLED_BACK `no_space`, retryable."""
-    dev = device(tmp_path, models, trusted, 0.0, synced=True)
-    dev.config = dataclasses.replace(dev.config, min_free_bytes=MiB)
-    cache = small_state / "cache"
-    cache.mkdir()
+    dev, cache = _small_device(tmp_path, models, trusted, small_state)
     fillers: list[Path] = []
 
     def fill_once(ref: ModelRef) -> None:
@@ -400,10 +397,7 @@ def test_enospc_once_the_new_model_serves_leaves_its_trial_to_the_next_start(
     can be written, and REJECTED would misreport a device serving the new model. The update
     stops (reported as progress, the new model serving); the next start continues its trial,
     and it commits."""
-    dev = device(tmp_path, models, trusted, 0.0, synced=True)
-    dev.config = dataclasses.replace(dev.config, min_free_bytes=MiB)
-    cache = small_state / "cache"
-    cache.mkdir()
+    dev, cache = _small_device(tmp_path, models, trusted, small_state)
     fillers: list[Path] = []
 
     def one_page_left(ref: ModelRef) -> None:
@@ -485,6 +479,16 @@ def test_a_start_on_a_full_disk_in_the_trial_serves_the_old_model_until_a_start_
         assert d.stop() == 0, d.read_log()
         http.close()
         watch.close()
+
+
+def _small_device(tmp_path: Path, models, trusted: Path, small_state: Path):  # type: ignore[no-untyped-def]
+    """The in-process device on the small tmpfs (`small_state`), keeping 1 MiB free, and its
+    weight cache directory there: (device, cache directory)."""
+    dev = device(tmp_path, models, trusted, 0.0, synced=True)
+    dev.config = dataclasses.replace(dev.config, min_free_bytes=MiB)
+    cache = small_state / "cache"
+    cache.mkdir()
+    return dev, cache
 
 
 async def start(dev, cache: Path, on_report) -> PreparingHost:  # type: ignore[no-untyped-def]

@@ -31,6 +31,7 @@ from tests.support.lazyfs import LazyFS, every_cut, mounted
 pytestmark = pytest.mark.fuse
 
 R = opb.UpdateRecord
+_KEY = Ed25519PrivateKey.generate()
 
 
 @pytest.fixture
@@ -50,28 +51,27 @@ class _Blocks:
         return opb.Block(data=self.data[request.offset : end], total=len(self.data))
 
 
-def test_an_update_leaves_a_whole_model_at_any_cut(
-    lazyfs: tuple[LazyFS, Path], tmp_path: Path
-) -> None:
-    fs, mnt = lazyfs
-    old = make_model_dir(tmp_path / "v0")  # the shipped model, outside the state directory
-    new = make_model_dir(tmp_path / "v1", version="1.1.0", seed=1)
-    bundle = tmp_path / "u.bundle"
-    make_bundle(old, new, [Ed25519PrivateKey.generate()], bundle, version=1, update_id="u1")
-    signed, payload = read_bundle(bundle)
-    with open(payload.path, "rb") as f:
-        f.seek(payload.offset)
-        data = f.read(payload.size)
-    m = manifest_of(opb.UpdateRecord(signed=signed))
-    shipped = model_ref(old)
-    state = mnt / "state"
+class _Update:
+    """One signed update from `base` to `target`: its record, manifest and payload."""
 
-    def setup(m_: Path) -> None:
-        state.mkdir()
+    def __init__(self, base: Path, target: Path, bundle: Path, version: int, uid: str) -> None:
+        make_bundle(base, target, [_KEY], bundle, version=version, update_id=uid)
+        self.signed, payload = read_bundle(bundle)
+        with open(payload.path, "rb") as f:
+            f.seek(payload.offset)
+            self.data = f.read(payload.size)
+        self.m = manifest_of(opb.UpdateRecord(signed=self.signed))
+        self.version = version
+        self.name = load_version(target)
 
-    def operation(m_: Path, done: list[Any]) -> None:
-        store = Store(state)
-        rec = R(signed=signed, state=R.RECEIVED, previous_model_dir=str(old))
+    def apply(
+        self, store: Store, previous: ModelRef, shipped: ModelRef, done: list[Any]
+    ) -> ModelRef:
+        """The updater's persisted steps, in its order, from `previous` (the serving model,
+        the last good one); the new model's reference."""
+        m = self.m
+        rec = R(signed=self.signed, state=R.RECEIVED, previous_model_dir=previous.model_dir)
+        before = store.installed() or Installed(shipped)
 
         def enter(s: int) -> None:
             rec.state = s  # type: ignore[assignment]
@@ -81,18 +81,46 @@ def test_an_update_leaves_a_whole_model_at_any_cut(
         enter(R.RECEIVED)
         enter(R.DOWNLOADING)
         part = store.payload_path(m.update_id)
-        fetch_blocks(_Blocks(data), m.update_id, part, len(data), lambda n: None, threading.Event())
+        blocks = _Blocks(self.data)
+        fetch_blocks(blocks, m.update_id, part, len(self.data), lambda n: None, threading.Event())
         enter(R.VERIFIED)
         asyncio.run(stage(store, rec, m))
         enter(R.STAGED)
         enter(R.ACTIVATING)
-        ref = ModelRef(rec.staged_model_dir, m.quantization, m.target_model_sha256, 1, "1.1.0")
-        store.switch(Installed(ref, shipped, ()))
+        ref = ModelRef(
+            rec.staged_model_dir, m.quantization, m.target_model_sha256, self.version, self.name
+        )
+        store.switch(Installed(ref, previous, before.finished))
         done.append(("pointer", ref.sha256))
         enter(R.TRIAL)
-        store.switch(Installed(ref, ref, (m.update_id,)))
+        store.switch(Installed(ref, ref, (*before.finished, m.update_id)))
         enter(R.COMMITTED)
         Cleanup(store, lambda: store.installed() or Installed(shipped)).complete(rec)
+        return ref
+
+
+def load_version(directory: Path) -> str:
+    from agent.model.directory import load_model_dir
+
+    return load_model_dir(directory).version
+
+
+def test_an_update_leaves_a_whole_model_at_any_cut(
+    lazyfs: tuple[LazyFS, Path], tmp_path: Path
+) -> None:
+    fs, mnt = lazyfs
+    old = make_model_dir(tmp_path / "v0")  # the shipped model, outside the state directory
+    new = make_model_dir(tmp_path / "v1", version="1.1.0", seed=1)
+    update = _Update(old, new, tmp_path / "u.bundle", 1, "u1")
+    m = update.m
+    shipped = model_ref(old)
+    state = mnt / "state"
+
+    def setup(m_: Path) -> None:
+        state.mkdir()
+
+    def operation(m_: Path, done: list[Any]) -> None:
+        update.apply(Store(state), shipped, shipped, done)
 
     problems: list[str] = []
 

@@ -8,93 +8,30 @@ switch that returned holds; the pointer names a model that verifies."""
 
 from __future__ import annotations
 
-import asyncio
 import shutil
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.config.file import UpdatesConfig
-from agent.ota.artifact.bundle import make_bundle, read_bundle
-from agent.ota.cleanup import Cleanup
-from agent.ota.fetch import fetch_blocks
-from agent.ota.reports import manifest_of
-from agent.ota.staging import stage
 from agent.ota.store import Installed, ModelRef, Store
 from agent.ota.updater import Updater
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from tests.support.fleetsim import make_model_dir, model_ref
 from tests.support.lazyfs import LazyFS, every_cut, mounted
-from tests.unit.ota.test_power_cut import _Blocks
+from tests.unit.ota.test_power_cut import _Update
 
 pytestmark = pytest.mark.fuse
 
 R = opb.UpdateRecord
-KEY = Ed25519PrivateKey.generate()
 
 
 @pytest.fixture
 def lazyfs(tmp_path: Path) -> Iterator[tuple[LazyFS, Path]]:
     with mounted(tmp_path / "fs") as mount:
         yield mount
-
-
-class _Update:
-    """One signed update from `base` to `target`: its record, manifest and payload."""
-
-    def __init__(self, base: Path, target: Path, bundle: Path, version: int, uid: str) -> None:
-        make_bundle(base, target, [KEY], bundle, version=version, update_id=uid)
-        self.signed, payload = read_bundle(bundle)
-        with open(payload.path, "rb") as f:
-            f.seek(payload.offset)
-            self.data = f.read(payload.size)
-        self.m = manifest_of(opb.UpdateRecord(signed=self.signed))
-        self.version = version
-        self.name = load_version(target)
-
-    def apply(
-        self, store: Store, previous: ModelRef, shipped: ModelRef, done: list[Any]
-    ) -> ModelRef:
-        """The updater's persisted steps, in its order, from `previous` (the serving model,
-        the last good one); the new model's reference."""
-        m = self.m
-        rec = R(signed=self.signed, state=R.RECEIVED, previous_model_dir=previous.model_dir)
-        before = store.installed() or Installed(shipped)
-
-        def enter(s: int) -> None:
-            rec.state = s  # type: ignore[assignment]
-            store.save(rec)
-            done.append(("record", s))
-
-        enter(R.RECEIVED)
-        enter(R.DOWNLOADING)
-        part = store.payload_path(m.update_id)
-        blocks = _Blocks(self.data)
-        fetch_blocks(blocks, m.update_id, part, len(self.data), lambda n: None, threading.Event())
-        enter(R.VERIFIED)
-        asyncio.run(stage(store, rec, m))
-        enter(R.STAGED)
-        enter(R.ACTIVATING)
-        ref = ModelRef(
-            rec.staged_model_dir, m.quantization, m.target_model_sha256, self.version, self.name
-        )
-        store.switch(Installed(ref, previous, before.finished))
-        done.append(("pointer", ref.sha256))
-        enter(R.TRIAL)
-        store.switch(Installed(ref, ref, (*before.finished, m.update_id)))
-        enter(R.COMMITTED)
-        Cleanup(store, lambda: store.installed() or Installed(shipped)).complete(rec)
-        return ref
-
-
-def load_version(directory: Path) -> str:
-    from agent.model.directory import load_model_dir
-
-    return load_model_dir(directory).version
 
 
 def test_a_second_update_leaves_a_whole_model_at_any_cut(
