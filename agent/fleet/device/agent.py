@@ -16,7 +16,15 @@ from agent import __version__
 from agent.base.errors import ConfigError, InvalidRequest, Unavailable
 from agent.config.file import FleetConfig
 from agent.engine.stats import ModelInfo
-from agent.fleet.device.health import HealthReporter, Labels, build_health, read_disk, read_thermal
+from agent.fleet.device.health import (
+    HealthReporter,
+    Labels,
+    Probes,
+    build_health,
+    no_probes,
+    read_disk,
+    read_thermal,
+)
 from agent.fleet.device.link import FleetLink, Reply, SessionCounter
 from agent.fleet.device.outbox import Outbox
 from agent.fleet.mqtt import MqttOptions
@@ -82,6 +90,7 @@ class FleetAgent:
         loop: asyncio.AbstractEventLoop,
         sys_root: Path = Path("/sys"),
         min_free_bytes: int = 0,
+        probes: Probes = no_probes,
     ) -> None:
         self.config = config
         self.min_free_bytes = min_free_bytes  # [updates]: health flags free space below it
@@ -101,6 +110,7 @@ class FleetAgent:
             interval_s=config.health_interval_s,
             min_interval_s=min(config.health_min_interval_s, config.health_interval_s),
             labels=self.labels,
+            probes=probes,
         )
         self.topics = Topics(config.topic_prefix, device_id)
         self.link = FleetLink(
@@ -167,6 +177,7 @@ class FleetAgent:
             last_update=self.last_update,
             now=time.time(),
             labels=self.labels,
+            probes=self.reporter.probes,
         )
 
     def record(self, event: fpb.Event) -> None:

@@ -12,6 +12,7 @@ import logging
 import os
 import platform
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -32,6 +33,14 @@ SINCE_BOOT_BITS: Final = 0xF << 16  # bits 16-19: the same four, "has occurred s
 TEMP_BANDS_C: Final = (70.0, 80.0)  # crossing one of these is a change
 DISK_LOW_FRACTION: Final = 0.10  # free space below this share of the total is a change
 _ZONE_RE: Final = re.compile(r"thermal_zone(\d+)")
+
+# model sha256 -> the latest quality probe of that model on this device (None: none yet)
+Probes = Callable[[str], fpb.Probe | None]
+
+
+def no_probes(sha256: str) -> fpb.Probe | None:
+    """The default `Probes`: this device runs no quality probe."""
+    return None
 
 
 # ---------------------------------------------------------------------------------- readings
@@ -138,8 +147,10 @@ def build_health(
     last_update: fpb.UpdateStatus | None,
     now: float,
     labels: Labels = Labels(),
+    probes: Probes = no_probes,
 ) -> fpb.Health:
-    """Domain → wire: the Health message for this moment (`now`: unix time)."""
+    """Domain → wire: the Health message for this moment (`now`: unix time); `probes` gives
+    each model's latest quality probe, put into `run.probe` and `previous.probe`."""
     e = status.engine
     msg = fpb.Health(
         seq=seq,
@@ -191,7 +202,15 @@ def build_health(
         msg.clock.CopyFrom(
             fpb.Clock(synchronized=status.clock.synchronized, source=status.clock.source)
         )
+    msg.run.model.CopyFrom(msg.model)
+    _add_probe(msg.run, probes)
     return msg
+
+
+def _add_probe(run: fpb.ModelRun, probes: Probes) -> None:
+    probe = probes(run.model.sha256) if run.model.sha256 else None
+    if probe is not None:
+        run.probe.CopyFrom(probe)
 
 
 def _percentiles(p: StatPercentiles) -> pb.Percentiles:
@@ -271,6 +290,7 @@ class HealthReporter:
         interval_s: float,
         min_interval_s: float,
         labels: Labels = Labels(),
+        probes: Probes = no_probes,
     ) -> None:
         if not 0 <= min_interval_s <= interval_s or interval_s <= 0:
             raise ValueError(
@@ -280,6 +300,7 @@ class HealthReporter:
         self.device_id = device_id
         self.session = session
         self.labels = labels
+        self.probes = probes
         self.interval_s = interval_s
         self.min_interval_s = min_interval_s
         self.seq = 0  # of the last returned message
@@ -313,6 +334,7 @@ class HealthReporter:
             last_update=last_update,
             now=now,
             labels=self.labels,
+            probes=self.probes,
         )
         for name in changes(self.last, health):
             if name not in self._pending:
