@@ -1,5 +1,6 @@
 """`edge-agent fleet rollout start|status|pause|resume|abort|retry-failed`: a signed update
-offered wave by wave, halting itself past a failure threshold (docs/ROLLOUTS.md).
+offered wave by wave, halting itself past a failure threshold or when its gates find the new
+model running worse than the old one on a board class (docs/ROLLOUTS.md).
 
 Exit codes: 0 the rollout completed, every named target device updated (`status`, `pause`,
 `abort`, `retry-failed`: done as asked); 1 it halted, was aborted or paused, a named device was
@@ -11,12 +12,14 @@ configuration or bundle errors, an unknown rollout id, a command its state does 
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from agent.base.errors import AgentError
 from agent.cli.common import _fail, parse_duration
@@ -29,6 +32,9 @@ from agent.cli.fleet.common import (
     _Usage,
 )
 from agent.fleet.mqtt import MqttOptions
+
+if TYPE_CHECKING:
+    from agent.operator.rollout.figures import Override
 
 DEFAULT_WAVES: Final = "1%,10%,50%,100%"
 
@@ -76,7 +82,10 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _run(args: argparse.Namespace, opts: MqttOptions, rollout_id: str, *, resume: bool) -> int:
+def _run(
+    args: argparse.Namespace, opts: MqttOptions, rollout_id: str, *, resume: bool,
+    override: tuple[Override, ...] = (),
+) -> int:  # fmt: skip
     from agent.operator.link import FleetError
     from agent.operator.rollout.run import run_rollout
     from agent.operator.rollout.state import RolloutError
@@ -93,6 +102,7 @@ def _run(args: argparse.Namespace, opts: MqttOptions, rollout_id: str, *, resume
             rollouts_dir(args),
             rollout_id,
             resume=resume,
+            override=override,
             on_line=say or (lambda line: print(line, flush=True)),
         )
     except RolloutBusy as exc:
@@ -115,6 +125,7 @@ def _run(args: argparse.Namespace, opts: MqttOptions, rollout_id: str, *, resume
 
 
 def cmd_rollout_start(args: argparse.Namespace) -> int:
+    from agent.operator.rollout.figures import parse_gates
     from agent.operator.rollout.run import create_rollout
     from agent.operator.rollout.state import Target, parse_rate, parse_waves
     from agent.ota.artifact.bundle import BundleError
@@ -126,6 +137,13 @@ def cmd_rollout_start(args: argparse.Namespace) -> int:
             raise _Usage(f"--prefix {prefix!r}: topic levels without wildcards, e.g. fleet/v1")
         if args.min_devices < 1:
             raise _Usage(f"--min-devices {args.min_devices}: at least 1")
+        soak = _duration("--soak", args.soak, zero_ok=True)
+        gate = parse_gates(
+            args.gate or [], args.no_gate or [], min_samples=args.gate_min_samples,
+            min_devices=args.gate_min_devices, undecided=args.gate_undecided,
+            wait_s=_duration("--gate-wait", args.gate_wait, zero_ok=True)
+            if args.gate_wait is not None else soak,
+        )  # fmt: skip
         r = create_rollout(
             rollouts_dir(args),
             Path(args.bundle),
@@ -135,9 +153,10 @@ def cmd_rollout_start(args: argparse.Namespace) -> int:
             min_devices=args.min_devices,
             max_failure_rate=parse_rate(args.max_failure_rate),
             wave_timeout_s=_duration("--wave-timeout", args.wave_timeout, zero_ok=False),
-            soak_s=_duration("--soak", args.soak, zero_ok=True),
+            soak_s=soak,
             rollout_id=args.id,
             connection=opts.to_pairs(),
+            gate=gate,
         )
     except (AgentError, BundleError, OSError) as exc:
         return _fail(str(exc))
@@ -146,17 +165,29 @@ def cmd_rollout_start(args: argparse.Namespace) -> int:
 
 
 def cmd_rollout_resume(args: argparse.Namespace) -> int:
+    from agent.operator.rollout import gates, plan
+    from agent.operator.rollout.figures import check_metric
     from agent.operator.rollout.run import load_rollout
     from agent.operator.rollout.state import FINAL_STATES, RolloutError
 
+    override: tuple[Override, ...] = ()
     try:
         r = load_rollout(rollouts_dir(args), args.rollout_id)
         if r.state in FINAL_STATES:
             raise RolloutError(f"rollout {args.rollout_id} is {r.state}; it cannot resume")
+        if args.override_gate:
+            who = f"{getpass.getuser()}@{socket.gethostname()}"
+            metrics = dict.fromkeys(check_metric(m, "--override-gate") if m != "all" else m
+                                    for m in args.override_gate)  # fmt: skip
+            override = tuple(Override(m, args.reason or "", who, 0.0, 0) for m in metrics)
+        elif args.reason:
+            raise _Usage("--reason goes with --override-gate")
+        # refused now (exit 2) if it cannot be done: a gate halt without its override
+        plan.resume(gates.override(r, override, 0.0) if override else r, 0.0)
         opts = _resume_connection(args, r.spec.connection)
     except (RolloutError, OSError, _Usage, AgentError) as exc:
         return _fail(str(exc))
-    return _run(args, opts, args.rollout_id, resume=True)
+    return _run(args, opts, args.rollout_id, resume=True, override=override)
 
 
 def _resume_connection(args: argparse.Namespace, kept: tuple[tuple[str, str], ...]) -> MqttOptions:
@@ -295,6 +326,45 @@ def add_rollout_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
         help="after a wave's devices are final, wait T watching them (default: 10m; 0: none)",
     )
     p.add_argument("--id", metavar="ID", help="rollout id (default: <update_id>-<UTC time>)")
+    p.add_argument(
+        "--gate",
+        action="append",
+        metavar="METRIC:T",
+        help="halt when the new model is worse than the old on a board class by more than T: "
+        "nll (probe nats/token, default 0.1), decode_tok_s (p50, share, 0.15), ttft_p95 "
+        "(share, 0.25), errors (error rate, 0.02); repeat for each",
+    )
+    p.add_argument(
+        "--no-gate", action="append", metavar="METRIC", help="turn a gate off (all: every gate)"
+    )
+    p.add_argument(
+        "--gate-min-samples",
+        type=int,
+        default=20,
+        metavar="N",
+        help="a device's speed and error figures count from N requests on (default: 20)",
+    )
+    p.add_argument(
+        "--gate-min-devices",
+        type=int,
+        default=1,
+        metavar="N",
+        help="a gate decides for a board class from N updated devices with enough samples "
+        "(default: 1)",
+    )
+    p.add_argument(
+        "--gate-wait",
+        metavar="T",
+        help="how long after its devices are final a wave waits for enough samples (default: "
+        "--soak: the gates decide at the soak's end)",
+    )
+    p.add_argument(
+        "--gate-undecided",
+        choices=("pass", "halt"),
+        default="pass",
+        help="what a gate still short of samples after --gate-wait does (default: pass, "
+        "shown as undecided in the report)",
+    )
     common(p)
     _connection_args(p)
     p.set_defaults(func=cmd_rollout_start)
@@ -306,6 +376,14 @@ def add_rollout_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
 
     p = rsub.add_parser("resume", help="run a paused, halted or interrupted rollout on")
     p.add_argument("rollout_id", metavar="ID")
+    p.add_argument(
+        "--override-gate",
+        action="append",
+        metavar="METRIC",
+        help="a rollout its gates halted: turn that gate off for the rest of it (all: every "
+        "gate); recorded with --reason, who and when, shown by `status`",
+    )
+    p.add_argument("--reason", metavar="TEXT", help="why the gate is overridden (required)")
     common(p)
     _connection_args(p)
     p.set_defaults(func=cmd_rollout_resume)

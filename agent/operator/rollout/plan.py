@@ -14,9 +14,10 @@ import functools
 import hashlib
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from agent.operator.rollout.gates import Judgement, halting
 from agent.operator.rollout.state import (
     FINAL_STATES,
     IN_FLIGHT,
@@ -166,11 +167,17 @@ def _never_online(device_id: str, r: Rollout, s: Seen | None, now: float) -> Dev
                   final_unix=now)  # fmt: skip
 
 
-def step(r: Rollout, seen: Mapping[str, Seen], now: float) -> tuple[Rollout, tuple[str, ...]]:
+Judge = Callable[[Rollout, Wave, Mapping[str, Device], float], Judgement]  # gates.judge's
+
+
+def step(
+    r: Rollout, seen: Mapping[str, Seen], now: float, judge: Judge | None = None
+) -> tuple[Rollout, tuple[str, ...]]:
     """The rollout at `now` and the devices to offer to (already marked offered in it). A
     named target device (`--target DEV`) that the wave's quota wants but that is not online
     holds the wave up to the wave timeout from its start; then it has failed (`never_online`),
-    counted against the threshold as an offered device that failed."""
+    counted against the threshold as an offered device that failed. `judge` (the gates) decides
+    whether a soaked wave ends, waits for figures, or halts the rollout."""
     if r.state != State.RUNNING:
         return r, ()
     spec, devs = r.spec, r.by_id()
@@ -234,7 +241,7 @@ def step(r: Rollout, seen: Mapping[str, Seen], now: float) -> tuple[Rollout, tup
             ignore_before_ts=old.ignore_before_ts if old else 0.0,
         )
     state: State = r.state
-    reason, halts, index, skipped = r.reason, r.halts, r.wave, r.skipped
+    reason, halts, index, skipped, checks = r.reason, r.halts, r.wave, r.skipped, r.checks
     if offers or waiting or any(d.status in IN_FLIGHT for d in devs.values()):
         wave = dataclasses.replace(wave, settled_unix=0.0)
     else:
@@ -248,12 +255,19 @@ def step(r: Rollout, seen: Mapping[str, Seen], now: float) -> tuple[Rollout, tup
             reason = halt_reason(r.wave, spec, t)
             halts = (*halts, reason)
         elif soaked:
-            wave = dataclasses.replace(wave, ended_unix=now)
-            if r.wave + 1 == len(r.waves):
-                state, reason = State.COMPLETED, "every wave ended under the failure threshold"
-                skipped = tuple(sorted(targets - devs.keys()))
-            else:
-                index = r.wave + 1
+            j = judge(r, wave, devs, now) if judge is not None else None
+            if j is not None:  # the gates' figures for this wave, replaced at every judgement
+                checks = (*(c for c in checks if c.wave != r.wave), *j.checks)
+            if j is not None and j.decision == "halt":
+                state, reason = State.HALTED, f"wave {r.wave + 1}: {j.reason}"
+                halts = (*halts, reason)
+            elif j is None or j.decision == "pass":
+                wave = dataclasses.replace(wave, ended_unix=now)
+                if r.wave + 1 == len(r.waves):
+                    state, reason = State.COMPLETED, "every wave ended under the failure threshold"
+                    skipped = tuple(sorted(targets - devs.keys()))
+                else:
+                    index = r.wave + 1
     waves = list(r.waves)
     waves[r.wave] = wave
     if index != r.wave:
@@ -264,6 +278,7 @@ def step(r: Rollout, seen: Mapping[str, Seen], now: float) -> tuple[Rollout, tup
         reason=reason,
         halts=halts,
         skipped=skipped,
+        checks=checks,
         wave=index,
         waves=tuple(waves),
         devices=tuple(sorted(devs.values(), key=lambda d: d.device_id)),
@@ -377,6 +392,12 @@ def resume(r: Rollout, now: float) -> Rollout:
         return r
     if r.state in FINAL_STATES:
         raise RolloutError(f"rollout {r.spec.rollout_id} is {r.state}; it cannot resume")
+    if gates := halting(r):
+        raise RolloutError(
+            f"rollout {r.spec.rollout_id} was halted by its gates ({', '.join(gates)}: "
+            f"`rollout status` shows the figures); resume with --override-gate "
+            f"{' --override-gate '.join(gates)} --reason TEXT, or abort it"
+        )
     devices = r.devices
     if r.state == State.HALTED:
         devices = tuple(

@@ -1,15 +1,27 @@
 """A rollout's report: per wave, devices offered / committed / failed (by reason) / timed out,
-when it started and ended; whether and why the rollout halted (docs/ROLLOUTS.md, "Report").
+when it started and ended, and per board class (profile/arch) each gate's before and after
+figures beside its threshold; whether and why the rollout halted, and the gates an operator
+overrode (docs/ROLLOUTS.md, "Report" and "Gates").
 
 Pure: built from the persisted `Rollout` alone, so `rollout status` shows it without a broker.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from agent.operator.rollout.figures import (
+    NO_GATES,
+    Check,
+    Gates,
+    Override,
+    check_to_json,
+    gates_to_json,
+    override_to_json,
+)
 from agent.operator.rollout.plan import tally
 from agent.operator.rollout.state import Rollout, State, Status
 
@@ -56,6 +68,9 @@ class RolloutReport:
     skipped: tuple[str, ...] = ()  # target devices never online while it ran (once completed)
     # named target devices (`--target DEV`) not committed nor already on the target, with why
     not_updated: tuple[tuple[str, str], ...] = ()
+    gates: Gates = NO_GATES
+    checks: tuple[Check, ...] = ()  # per wave judged, per board class, per gate
+    overrides: tuple[Override, ...] = ()
 
     @property
     def succeeded(self) -> bool:
@@ -92,6 +107,11 @@ class RolloutReport:
             "devices": list(self.devices),
             "skipped": list(self.skipped),
             "not_updated": dict(self.not_updated),
+            "gates": gates_to_json(self.gates),
+            "checks": [
+                {**check_to_json(c), "wave": c.wave + 1, "change": c.change} for c in self.checks
+            ],
+            "overrides": [{**override_to_json(o), "wave": o.wave + 1} for o in self.overrides],
         }
 
     def lines(self) -> list[str]:
@@ -110,10 +130,28 @@ class RolloutReport:
                 + (f", in progress {w.in_progress}" if w.in_progress else "")
                 + (f", already on target {w.already}" if w.already else "") + took
             )  # fmt: skip
+            for c in self.checks:
+                if c.wave + 1 == w.index:
+                    out.append(f"    gate {c.metric} on {c.board}: {c.describe()}")
         out.append(
             f"  total: offered {self.offered}, committed {self.committed}, failed {self.failed}, "
             f"already on target {self.already}; failure rate {self.failure_rate:.1%}"
         )
+        if self.gates.thresholds:
+            limits = ", ".join(f"{m}:{t:g}" for m, t in self.gates.thresholds)
+            out.append(
+                f"  gates: {limits} (at least {self.gates.min_samples} samples per device, "
+                f"{self.gates.min_devices} devices per board; short of them after "
+                f"{self.gates.wait_s:g} s: {self.gates.undecided})"
+            )
+        else:
+            out.append("  gates: none")
+        for o in self.overrides:
+            when = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(o.at_unix))
+            out.append(
+                f"  override of gate {o.metric} at wave {o.wave + 1} by {o.who} at {when}: "
+                f"{o.reason}"
+            )
         if self.skipped:
             out.append(f"  never online, not offered: {' '.join(self.skipped)}")
         if self.not_updated and self.state != State.RUNNING:
@@ -183,6 +221,9 @@ def report(r: Rollout) -> RolloutReport:
         devices=devices,
         skipped=r.skipped,
         not_updated=_not_updated(r),
+        gates=r.spec.gates,
+        checks=r.checks,
+        overrides=r.overrides,
     )
 
 

@@ -19,6 +19,7 @@ the state before every offer, and sends the offers (`agent.operator.publish.Offe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 import threading
@@ -33,7 +34,8 @@ import paho.mqtt.client as mqtt
 from agent.fleet.mqtt import MqttOptions, payload_content
 from agent.operator.link import FleetError, _client_id, _Link
 from agent.operator.publish import Offer, read_offer
-from agent.operator.rollout import plan
+from agent.operator.rollout import gates, plan
+from agent.operator.rollout.figures import DEFAULT_THRESHOLDS, Gates, Override
 from agent.operator.rollout.report import RolloutReport, report
 from agent.operator.rollout.state import (
     Device,
@@ -98,10 +100,12 @@ def create_rollout(
     rollout_id: str | None = None,
     clock: Clock = time.time,
     connection: tuple[tuple[str, str], ...] = (),
+    gate: Gates | None = None,
 ) -> Rollout:
     """Read the bundle (BundleError if it does not read) and write a new rollout (RolloutError
     if its id exists); nothing is sent. `connection` (`MqttOptions.to_pairs`) is kept in the
-    state, so that `resume` reaches the same broker the same way."""
+    state, so that `resume` reaches the same broker the same way. `gate`: the default gates,
+    deciding at the soak's end with the samples there are, unless given."""
     _, manifest, _ = read_offer(bundle)
     now = clock()
     if min_devices < 1:
@@ -116,6 +120,7 @@ def create_rollout(
         target_sha256=manifest.target_model_sha256,
         target_digest=manifest_digest(manifest),
         connection=connection,
+        gates=gate or Gates(DEFAULT_THRESHOLDS, wait_s=soak_s),
         target=target,
         waves=waves,
         min_devices=min_devices,
@@ -210,9 +215,11 @@ def run_rollout(
     clock: Clock = time.time,
     on_line: Lines | None = None,
     resume: bool = False,
+    override: tuple[Override, ...] = (),
 ) -> RolloutReport:
     """Run the rollout until it completes, halts, is paused or aborted, or `stop` is set.
-    `resume`: a paused or halted rollout runs again (under this call's lock). `on_line` sees
+    `resume`: a paused or halted rollout runs again (under this call's lock), a halt by gates
+    only with an `override` of each (recorded: `gates.override`). `on_line` sees
     one line per offer, final device status and wave change. Raises RolloutBusy, RolloutError,
     BundleError (the bundle is gone or changed) or FleetError (the first connect failed)."""
     store = RolloutStore(store_dir)
@@ -220,7 +227,7 @@ def run_rollout(
     try:
         r = store.load(rollout_id)
         if resume:
-            r = plan.resume(r, clock())
+            r = plan.resume(gates.override(r, override, clock()) if override else r, clock())
             store.save(r)
         driver = _Driver(opts, store, r, clock, on_line or (lambda _line: None))
         driver.take_requests()
@@ -398,7 +405,8 @@ class _Driver:
     def tick(self, link: _Link) -> None:
         self.apply_heard()
         before = self.r
-        new, offers = plan.step(self.r, self.view.seen, self.clock())
+        judge = functools.partial(gates.judge, self.view.runs)
+        new, offers = plan.step(self.r, self.view.seen, self.clock(), judge)
         if new is before:
             if self.dirty and time.monotonic() - self.saved_at >= SAVE_EVERY_S:
                 self.save()

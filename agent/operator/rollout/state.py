@@ -16,6 +16,18 @@ from typing import Any, Final
 from agent.base.errors import AgentError
 from agent.config.file import GROUP_RE
 from agent.config.fleet import DEVICE_ID_RULE, is_device_id
+from agent.operator.rollout.figures import (
+    NO_GATES,
+    Check,
+    Gates,
+    Override,
+    check_from_json,
+    check_to_json,
+    gates_from_json,
+    gates_to_json,
+    override_from_json,
+    override_to_json,
+)
 
 FORMAT: Final = 1
 ROLLOUT_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -143,6 +155,8 @@ class Spec:
     target_digest: str = ""
     # how this rollout reaches its broker (agent.fleet.mqtt.MqttOptions.to_pairs): resume uses it
     connection: tuple[tuple[str, str], ...] = ()
+    # the gates its waves are judged by (docs/ROLLOUTS.md, "Gates"); none in an older rollout
+    gates: Gates = NO_GATES
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +201,8 @@ class Rollout:
     updated_unix: float = 0.0
     halts: tuple[str, ...] = field(default=())  # every halt's reason, in order
     skipped: tuple[str, ...] = ()  # target devices never online while it ran (at its end)
+    checks: tuple[Check, ...] = ()  # the gates' latest decisions, per wave judged
+    overrides: tuple[Override, ...] = ()  # gates an operator overrode to resume it
 
     def device(self, device_id: str) -> Device | None:
         i = self.index(device_id)
@@ -210,7 +226,18 @@ def _device_id(d: Device) -> str:
 
 
 def to_json(r: Rollout) -> dict[str, Any]:
-    return {**head_to_json(r), "devices": [device_to_json(d) for d in r.devices]}
+    devices = [device_to_json(d) for d in r.devices]
+    return {**head_to_json(r), **gates_doc(r), "devices": devices}
+
+
+def gates_doc(r: Rollout) -> dict[str, Any]:
+    """The rollout's gates, their decisions and overrides (the store keeps them in a row of
+    their own, written when they change: the head is rewritten at every save)."""
+    return {
+        "gates": gates_to_json(r.spec.gates),
+        "checks": [check_to_json(c) for c in r.checks],
+        "overrides": [override_to_json(o) for o in r.overrides],
+    }
 
 
 def device_to_json(d: Device) -> dict[str, Any]:
@@ -222,7 +249,7 @@ def device_to_json(d: Device) -> dict[str, Any]:
 
 
 def head_to_json(r: Rollout) -> dict[str, Any]:
-    """`to_json` without the devices (the store keeps one row per device)."""
+    """`to_json` without the devices (the store keeps one row per device) nor `gates_doc`."""
     s = r.spec
     return {
         "format": FORMAT,
@@ -282,6 +309,7 @@ def from_json(doc: Any, source: str) -> Rollout:
             created_unix=float(s["created_unix"]),
             target_digest=str(s.get("target_digest", "")),
             connection=tuple((str(k), str(v)) for k, v in s.get("connection", {}).items()),
+            gates=gates_from_json(doc.get("gates")),
         )
         waves = tuple(
             Wave(int(w["index"]), float(w["fraction"]), float(w["started_unix"]),
@@ -299,6 +327,8 @@ def from_json(doc: Any, source: str) -> Rollout:
             updated_unix=float(doc["updated_unix"]),
             halts=tuple(str(h) for h in doc["halts"]),
             skipped=tuple(str(d) for d in doc["skipped"]),
+            checks=tuple(check_from_json(c) for c in doc.get("checks", ())),
+            overrides=tuple(override_from_json(o) for o in doc.get("overrides", ())),
         )
     except RolloutError:
         raise

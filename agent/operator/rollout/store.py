@@ -37,6 +37,7 @@ from agent.operator.rollout.state import (
     check_rollout_id,
     device_to_json,
     from_json,
+    gates_doc,
     head_to_json,
 )
 
@@ -51,6 +52,10 @@ SCHEMA: Final = (
     "body TEXT NOT NULL) WITHOUT ROWID",
     "CREATE TABLE IF NOT EXISTS device (rollout_id TEXT NOT NULL, device_id TEXT NOT NULL, "
     "body TEXT NOT NULL, PRIMARY KEY (rollout_id, device_id)) WITHOUT ROWID",
+    # added with rollout gates: a store made before has no such table until it is opened here,
+    # and a rollout with no row has no gates (state.gates_doc)
+    "CREATE TABLE IF NOT EXISTS gate (rollout_id TEXT PRIMARY KEY, body TEXT NOT NULL) "
+    "WITHOUT ROWID",
 )
 
 
@@ -184,6 +189,8 @@ class RolloutStore:
                 row = db.execute("SELECT gen FROM rollout WHERE id = ?", (rid,)).fetchone()
                 self._write_all(db, r, 0 if row is None else int(row[0]) + 1)
                 return
+            if _gated(before) != _gated(r):
+                self._write_gates(db, r)
             if before.devices is not r.devices:
                 old = {d.device_id: d for d in before.devices}
                 changed = [d for d in r.devices if _differs(old.pop(d.device_id, None), d)]
@@ -206,11 +213,16 @@ class RolloutStore:
             "INSERT INTO device VALUES (?, ?, ?)",
             [(rid, d.device_id, _device_row(d)) for d in r.devices],
         )
+        self._write_gates(db, r)
         self._saved[rid] = (gen, r)
+
+    def _write_gates(self, db: sqlite3.Connection, r: Rollout) -> None:
+        body = json.dumps(gates_doc(r), sort_keys=True)
+        db.execute("INSERT OR REPLACE INTO gate VALUES (?, ?)", (r.spec.rollout_id, body))
 
     def load(self, rollout_id: str) -> Rollout:
         check_rollout_id(rollout_id)
-        row, rows = None, []
+        row, rows, gated = None, [], None
         if self._has_db():
             with self._transaction(write=False) as db:
                 query = "SELECT gen, body FROM rollout WHERE id = ?"
@@ -219,11 +231,14 @@ class RolloutStore:
                     "SELECT body FROM device WHERE rollout_id = ? ORDER BY device_id",
                     (rollout_id,),
                 ).fetchall()  # fmt: skip
+                query = "SELECT body FROM gate WHERE rollout_id = ?"
+                gated = db.execute(query, (rollout_id,)).fetchone()
         if row is None:
             return self._migrate(rollout_id)
         source = f"{self.db_path} (rollout {rollout_id})"
         try:
             doc = {**json.loads(row[1]), "devices": [json.loads(b) for (b,) in rows]}
+            doc.update(json.loads(gated[0]) if gated else {})
         except ValueError as exc:
             raise RolloutError(f"{source}: not JSON ({exc})") from exc
         r = from_json(doc, source)
@@ -328,6 +343,10 @@ class RolloutStore:
 
 def _device_row(d: Device) -> str:
     return json.dumps(device_to_json(d), sort_keys=True)
+
+
+def _gated(r: Rollout) -> tuple[object, ...]:
+    return (r.spec.gates, r.checks, r.overrides)
 
 
 def _differs(old: Device | None, new: Device) -> bool:

@@ -1,7 +1,8 @@
 """What a running rollout knows of the fleet: each device's presence, group and serving model
 (its `agent.operator.inventory` row, from the retained `state` and `health` in a
 `agent.operator.view.FleetView`: late Wills, out-of-order health and both encodings handled
-there), and the last update status each health carries.
+there), the last update status each health carries, and how its models run (`DeviceRuns`,
+from the health's `run` and `previous`: what rollout gates compare).
 
 A device heard live (a health or state as it is published, not a retained copy) with no state
 known is online: a broker that sends no retained message to wildcard subscriptions (RabbitMQ
@@ -19,6 +20,7 @@ from agent.fleet.codec import ContentType, PayloadError, decode
 from agent.fleet.topics import parse
 from agent.operator.digest import Presence
 from agent.operator.inventory import inventory_row
+from agent.operator.rollout.figures import DeviceRuns, Figures
 from agent.operator.rollout.plan import Heard, Seen
 from agent.operator.view import FleetView
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
@@ -31,6 +33,7 @@ class RolloutView:
         self.prefix = prefix
         self.fleet = FleetView(prefix)
         self.seen: dict[str, Seen] = {}
+        self.runs: dict[str, DeviceRuns] = {}  # from each device's newest health
 
     def update(
         self,
@@ -71,6 +74,7 @@ class RolloutView:
             h = decode(pb.Health, payload, content)
         except PayloadError:
             return p.device, None
+        self._runs(p.device, h)
         if not h.HasField("last_update") or not h.last_update.update_id:
             return p.device, None
         u = h.last_update
@@ -79,3 +83,15 @@ class RolloutView:
         except ValueError:
             return p.device, None
         return p.device, Heard(u.update_id, phase, u.reason_code, u.message, u.timestamp_unix)
+
+    def _runs(self, device: str, h: pb.Health) -> None:
+        old = self.runs.get(device)
+        if old is not None and h.timestamp_unix < old.timestamp_unix:
+            return  # an older health, come late
+        self.runs[device] = DeviceRuns(
+            h.profile,
+            h.arch,
+            h.timestamp_unix,
+            Figures.from_pb(h.run) if h.HasField("run") else None,
+            Figures.from_pb(h.previous) if h.HasField("previous") else None,
+        )

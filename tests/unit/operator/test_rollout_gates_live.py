@@ -1,0 +1,240 @@
+"""Rollout gates with the real driver over a real mosquitto (docs/ROLLOUTS.md, "Gates"): boards
+that are a few MQTT messages each (a retained online state, and a health with the serving
+model's figures, as the device side of issue 36 publishes them) answer an update command by
+reporting it committed and the target model's figures. A model that decodes slower, or scores
+a worse probe NLL, halts the rollout at wave 1 naming the gate, with nothing offered beyond it;
+a good one completes; an override resumes the halted one and is recorded in the store and in
+`rollout status`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from agent.config.file import parse_broker
+from agent.fleet.mqtt import MqttOptions
+from agent.operator.publish import read_offer
+from agent.operator.rollout.figures import Override
+from agent.operator.rollout.run import create_rollout, load_rollout, run_rollout
+from agent.operator.rollout.state import State, Target, parse_waves
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
+from tests.support.broker import Mosquitto
+from tests.support.fleetsim import SimModels
+from tests.support.paths import ROOT
+
+PREFIX = "fleet/v1"
+OLD_SHA = "0a" * 32
+GOOD = {"decode": 20.0, "ttft": 400.0, "nll": 2.5, "errors": 1}
+
+
+def model_run(sha: str, version: str, decode: float, ttft: float, nll: float, errors: int
+              ) -> pb.ModelRun:  # fmt: skip
+    run = pb.ModelRun(requests=200, samples=64, activated_unix=time.time())
+    run.model.name, run.model.version, run.model.sha256 = "m", version, sha
+    run.errors["internal"] = errors
+    run.decode_tok_s.p50, run.ttft_ms.p95 = decode, ttft
+    run.probe.probe_id, run.probe.nll_per_token, run.probe.nll_tokens = "probe-1", nll, 180
+    run.probe.runs = 1
+    return run
+
+
+class Boards:
+    """Devices as MQTT messages: each serves the old model with GOOD figures until an update
+    command comes; then it reports the update committed and serves the target with `after`."""
+
+    def __init__(self, broker: Mosquitto, update_id: str, target_sha: str, n: int,
+                 after: dict[str, float]) -> None:  # fmt: skip
+        self.update_id, self.target_sha, self.after = update_id, target_sha, after
+        self.devices = [f"board-{i:02d}" for i in range(n)]
+        self.commands: dict[str, int] = {d: 0 for d in self.devices}
+        self.seq = 0
+        self.lock = threading.Lock()
+        self.client = mqtt.Client(
+            CallbackAPIVersion.VERSION2, client_id="gate-boards", protocol=mqtt.MQTTv5
+        )
+        self.client.on_message = self._on_command
+        self.client.connect("127.0.0.1", broker.port)
+        self.client.loop_start()
+        self.client.subscribe(f"{PREFIX}/+/cmd/update", qos=1)[0]
+        for d in self.devices:
+            state = pb.DeviceState(
+                device_id=d, state=pb.DeviceState.ONLINE, session=1, timestamp_unix=time.time()
+            )
+            self._publish(f"{PREFIX}/{d}/state", state.SerializeToString(), retain=True)
+            self._health(d, updated=False)
+
+    def _publish(self, topic: str, payload: bytes, retain: bool) -> None:
+        self.client.publish(topic, payload, qos=1, retain=retain).wait_for_publish(10)
+
+    def _health(self, device: str, updated: bool) -> None:
+        with self.lock:
+            self.seq += 1
+            h = pb.Health(seq=self.seq, session=1, device_id=device, timestamp_unix=time.time())
+        h.profile, h.arch = "pi5", "aarch64"
+        old = model_run(OLD_SHA, "1.0.0", GOOD["decode"], GOOD["ttft"], GOOD["nll"], 1)
+        if updated:
+            a = self.after
+            h.run.CopyFrom(model_run(self.target_sha, "1.1.0", a["decode"], a["ttft"], a["nll"],
+                                     int(a["errors"])))  # fmt: skip
+            h.previous.CopyFrom(old)
+            h.model.CopyFrom(h.run.model)
+            h.last_update.update_id, h.last_update.phase = self.update_id, pb.UpdateStatus.COMMITTED
+            h.last_update.timestamp_unix = h.timestamp_unix
+        else:
+            h.run.CopyFrom(old)
+            h.model.CopyFrom(old.model)
+        self._publish(f"{PREFIX}/{device}/health", h.SerializeToString(), retain=True)
+
+    def _on_command(self, _c: object, _u: object, msg: mqtt.MQTTMessage) -> None:
+        device = msg.topic.split("/")[-3]
+        with self.lock:
+            self.commands[device] += 1
+        status = pb.UpdateStatus(
+            update_id=self.update_id, phase=pb.UpdateStatus.COMMITTED, timestamp_unix=time.time()
+        )
+        event = pb.Event(seq=1, device_id=device, timestamp_unix=time.time(), update=status)
+        # the health with the target's figures first, then the report: the gates see both
+        threading.Thread(target=self._commit, args=(device, event), daemon=True).start()
+
+    def _commit(self, device: str, event: pb.Event) -> None:
+        self._health(device, updated=True)
+        self._publish(f"{PREFIX}/{device}/update/status", event.SerializeToString(), False)
+
+    def offered(self) -> list[str]:
+        with self.lock:
+            return sorted(d for d, n in self.commands.items() if n)
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[Mosquitto]:
+    b = Mosquitto(tmp_path / "broker")
+    yield b
+    b.stop()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> SimModels:
+    return SimModels.create(tmp_path_factory.mktemp("gate-models"))
+
+
+def rollout(broker: Mosquitto, models: SimModels, tmp_path: Path, after: dict[str, float],
+            **gate: object) -> tuple[Boards, Path, str]:  # fmt: skip
+    bundle = models.bundle(tmp_path / "u.tar", version=1)
+    _, manifest, _ = read_offer(bundle)
+    boards = Boards(broker, manifest.update_id, manifest.target_model_sha256, 10, after)
+    store = tmp_path / "rollouts"
+    r = create_rollout(
+        store, bundle, Target("all"), parse_waves("10%,50%,100%"), prefix=PREFIX,
+        wave_timeout_s=60.0, soak_s=0.0, rollout_id="r-gates", **gate,  # type: ignore[arg-type]
+    )  # fmt: skip
+    return boards, store, r.spec.rollout_id
+
+
+def opts(broker: Mosquitto) -> MqttOptions:
+    return MqttOptions(broker=parse_broker("test", "broker", broker.url), protocol="5")
+
+
+@pytest.mark.parametrize(
+    ("worse", "gate"),
+    [({"decode": 12.0}, "decode_tok_s"), ({"nll": 3.4}, "nll"), ({"errors": 30}, "errors")],
+)
+def test_a_worse_model_halts_at_wave_1_naming_the_gate_and_offers_nothing_beyond(
+    broker: Mosquitto, models: SimModels, tmp_path: Path, worse: dict[str, float], gate: str
+) -> None:
+    boards, store, rid = rollout(broker, models, tmp_path, {**GOOD, **worse})
+    try:
+        rep = run_rollout(opts(broker), store, rid)
+        assert rep.state == "halted" and rep.waves[0].state == "halted"
+        assert f"wave 1: gate failed: {gate} on pi5/aarch64" in rep.reason
+        assert len(boards.offered()) == 1  # wave 1 is one device of ten; nobody beyond it
+        assert [c.verdict for c in rep.checks if c.metric == gate] == ["fail"]
+        assert {c.verdict for c in rep.checks if c.metric != gate} == {"pass"}
+    finally:
+        boards.close()
+
+
+def test_a_good_model_passes_every_gate_and_completes(
+    broker: Mosquitto, models: SimModels, tmp_path: Path
+) -> None:
+    boards, store, rid = rollout(broker, models, tmp_path, {**GOOD, "decode": 21.0})
+    try:
+        rep = run_rollout(opts(broker), store, rid)
+        assert rep.state == "completed", rep.reason
+        assert boards.offered() == boards.devices and set(boards.commands.values()) == {1}
+        assert {c.wave for c in rep.checks} == {0, 1, 2}
+        assert {c.verdict for c in rep.checks} == {"pass"}
+    finally:
+        boards.close()
+
+
+def test_an_override_resumes_a_halted_rollout_and_is_recorded(
+    broker: Mosquitto, models: SimModels, tmp_path: Path
+) -> None:
+    boards, store, rid = rollout(broker, models, tmp_path, {**GOOD, "decode": 12.0})
+    try:
+        assert run_rollout(opts(broker), store, rid).state == "halted"
+        status = [sys.executable, "-m", "agent", "fleet", "rollout", "status", rid,
+                  "--rollouts-dir", str(store)]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        shown = subprocess.run(status, capture_output=True, text=True, env=env, cwd=ROOT,
+                               timeout=120)  # fmt: skip
+        assert "gate decode_tok_s on pi5/aarch64: decode p50 20 -> 12 tok/s" in shown.stdout
+        assert "FAIL" in shown.stdout
+        plain = subprocess.run([*status[:5], "resume", *status[6:]], capture_output=True,
+                               text=True, env=env, cwd=ROOT, timeout=120)  # fmt: skip
+        assert plain.returncode == 2 and plain.stderr.count("\n") == 1, plain.stderr
+        assert "--override-gate decode_tok_s --reason TEXT" in plain.stderr
+        ask = (Override("decode_tok_s", "slower but within the SLA", "op@lab", 0.0, 0),)
+        before = time.time()
+        rep = run_rollout(opts(broker), store, rid, resume=True, override=ask)
+        assert rep.state == "completed", rep.reason
+        assert boards.offered() == boards.devices and set(boards.commands.values()) == {1}
+        kept = load_rollout(store, rid)
+        assert kept.state == State.COMPLETED and len(kept.overrides) == 1
+        o = kept.overrides[0]
+        assert (o.metric, o.reason, o.who, o.wave) == ("decode_tok_s", ask[0].reason, "op@lab", 0)
+        assert o.at_unix >= before
+        shown = subprocess.run([*status, "--json"], capture_output=True, text=True, env=env,
+                               cwd=ROOT, timeout=120)  # fmt: skip
+        doc = json.loads(shown.stdout)
+        assert doc["overrides"][0]["reason"] == "slower but within the SLA"
+        assert {c["verdict"] for c in doc["checks"] if c["metric"] == "decode_tok_s"} == {
+            "overridden"
+        }
+    finally:
+        boards.close()
+
+
+def test_bad_gate_flags_are_one_line_and_exit_2(models: SimModels, tmp_path: Path) -> None:
+    bundle = models.bundle(tmp_path / "u.tar", version=1)
+    (tmp_path / "agent.toml").write_text("")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for bad, says in (
+        (["--gate", "speed:0.1"], "--gate 'speed'"),
+        (["--gate", "nll"], "METRIC:THRESHOLD"),
+        (["--no-gate", "fast"], "--no-gate 'fast'"),
+        (["--gate-min-samples", "0"], "at least 1"),
+    ):
+        config, store = str(tmp_path / "agent.toml"), str(tmp_path / "r")
+        argv = [sys.executable, "-m", "agent", "fleet", "rollout", "start", str(bundle),
+                "--target", "all", "--broker", "mqtt://127.0.0.1:9", "--config", config,
+                "--rollouts-dir", store, *bad]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT,
+                              timeout=120)  # fmt: skip
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert says in done.stderr
+    assert not (tmp_path / "r").exists()  # nothing written
