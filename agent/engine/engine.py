@@ -56,6 +56,7 @@ from agent.profile import DeviceProfile
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5  # the idle engine thread still beats this often
+_SERIALS = itertools.count(1)  # Engine.serial: which engine counted what (never reused)
 
 
 class Engine(SessionCalls, Stopping):
@@ -114,6 +115,7 @@ class Engine(SessionCalls, Stopping):
         self._init_stopping()
         self._beat = time.monotonic()
         self._tally = Tally()
+        self.serial = next(_SERIALS)
         self._acceptance = Acceptance()  # what speculation saw so far: a new request's prior
         if profile.kv.preallocate:
             pool.grow(self.memory.sessions)
@@ -306,6 +308,7 @@ class Engine(SessionCalls, Stopping):
         elif p.kv is not None:
             self._store.give_kv(p.kv)
         self._tally.totals["failed"] += 1
+        self._tally.errors["internal"] += 1
         p.handle.emit(TokenEvent("", finish_reason="error", stats=unstarted_stats(p), error=error))
 
     def _ready(self, p: Prepared) -> bool:
@@ -351,23 +354,24 @@ class Engine(SessionCalls, Stopping):
         gen = p.generation
         assert gen is not None
         while True:
+            kind = "internal"  # of an error (ERROR_KINDS)
             try:
                 events = gen.step()
             except NonFiniteLogits as exc:  # the model's fault, not a bug: one line, counted
                 log.error("request %s failed: %s", p.handle.id, exc)
                 with self._cv:
                     self._tally.totals["nonfinite"] += 1
-                events = [gen.fail(str(exc))]
+                events, kind = [gen.fail(str(exc))], "nonfinite"
             except ConstraintFailed as exc:  # the request's grammar, not a bug: one line
                 log.warning("request %s failed: %s", p.handle.id, exc)
-                events = [gen.fail(str(exc))]
+                events, kind = [gen.fail(str(exc))], "constraint"
             except Exception as exc:  # one failed request must not take the engine down
                 log.exception("request %s failed", p.handle.id)
                 events = [gen.fail(str(exc))]
             if gen.done and self._cut and events[-1].finish_reason == "cancelled":
                 events[-1] = dataclasses.replace(events[-1], error=STOPPING_CUT)
             if gen.done:  # before the final event: a client that continues the session at once
-                self._retire(p, events[-1])  # must find it idle, not "already running"
+                self._retire(p, events[-1], kind)  # must find it idle, not "already running"
             sent = False
             for e in events:
                 sent = p.handle.emit(e) or sent
@@ -386,7 +390,7 @@ class Engine(SessionCalls, Stopping):
         s = self._sched
         return len(s.running) > 1 or bool(s.waiting) or self._stopping or self._stall > 0
 
-    def _retire(self, p: Prepared, last: TokenEvent) -> None:
+    def _retire(self, p: Prepared, last: TokenEvent, error_kind: str) -> None:
         stats = last.stats
         with self._cv:
             self._sched.finish(p)
@@ -412,7 +416,7 @@ class Engine(SessionCalls, Stopping):
                 assert gen is not None
                 held = held_tokens(p, gen.generated, gen.kv_rows, last.finish_reason or "")
                 self._store.give_kv(p.kv, held, len(p.ids))
-            self._tally.finished(last)
+            self._tally.finished(last, error_kind)
         if stats is not None:
             log.info(
                 "request %s %s: %d+%d tokens, ttft %.1f ms, decode %.1f tok/s",

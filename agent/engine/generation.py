@@ -15,6 +15,7 @@ import numpy as np
 from agent.base.errors import NonFiniteLogits
 from agent.engine.sampler import Sampler
 from agent.engine.speculation import Speculator
+from agent.engine.stats import DEADLINE_EXCEEDED
 from agent.engine.types import RequestStats, TokenEvent
 from agent.runtime.runner import KVCache, Runner
 from agent.tokenizer.base import DetokenizeStream
@@ -124,7 +125,7 @@ class Generation:
         if self.cancel.is_set():
             return [self._finish("cancelled")]
         if self._deadline is not None and time.monotonic() > self._deadline:
-            return [self._finish("cancelled", error="deadline exceeded")]
+            return [self._finish("cancelled", error=DEADLINE_EXCEEDED)]
         if self.prefilling:
             if self._prefilled == 0:
                 # the whole prompt and the first generated row, in the smallest KV window

@@ -17,6 +17,10 @@ if TYPE_CHECKING:  # only a field's type: importing it needs numpy
     from agent.runtime.plan import MemoryPlan
 
 WINDOW = 512  # requests kept for the p50/p95 figures
+# how a request that ran ended in an error: the model gave NaN/inf logits, constrained decoding
+# could not go on, its deadline passed, anything else (the runtime failed, no KV for it)
+ERROR_KINDS = ("nonfinite", "constraint", "timeout", "internal")
+DEADLINE_EXCEEDED = "deadline exceeded"  # the error of a request cut at its deadline
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +50,9 @@ class Percentiles:
     p95: float
 
 
+NO_FIGURES = Percentiles(0.0, 0.0)  # no request measured yet
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     queue_depth: int
@@ -64,6 +71,11 @@ class EngineStats:
     # speculative decoding, over every finished request: drafts verified, drafts accepted
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    prefill_tok_s: Percentiles = NO_FIGURES
+    samples: int = 0  # requests behind the percentiles (the last WINDOW at most)
+    # requests ended in an error, by kind (every one of ERROR_KINDS; a "timeout" is also
+    # counted in requests_cancelled, the others in requests_failed)
+    errors: tuple[tuple[str, int], ...] = ()
 
 
 def _percentiles(values: deque[float]) -> Percentiles:
@@ -88,17 +100,24 @@ class Tally:
             "drafted": 0,
             "accepted": 0,
         }
+        self.errors = dict.fromkeys(ERROR_KINDS, 0)
         self._ttft: deque[float] = deque(maxlen=WINDOW)
         self._decode: deque[float] = deque(maxlen=WINDOW)
+        self._prefill: deque[float] = deque(maxlen=WINDOW)
+        self._samples = 0
 
-    def finished(self, last: TokenEvent) -> None:
-        """A request that ran ended with `last`."""
+    def finished(self, last: TokenEvent, error_kind: str = "internal") -> None:
+        """A request that ran ended with `last`; `error_kind` (one of ERROR_KINDS) says why
+        when it ended in an error. A cancel at the deadline counts as a "timeout"."""
         stats = last.stats
         self.totals["total"] += 1
         if last.finish_reason == "error":
             self.totals["failed"] += 1
+            self.errors[error_kind if error_kind in self.errors else "internal"] += 1
         if last.finish_reason == "cancelled":
             self.totals["cancelled"] += 1
+            if last.error == DEADLINE_EXCEEDED:
+                self.errors["timeout"] += 1
         if stats is not None:
             self.totals["tokens"] += stats.generated_tokens
             self.totals["drafted"] += stats.drafted_tokens
@@ -107,6 +126,10 @@ class Tally:
                 self._ttft.append(stats.ttft_ms)
             if stats.decode_tok_s:
                 self._decode.append(stats.decode_tok_s)
+            if stats.prefill_tok_s:
+                self._prefill.append(stats.prefill_tok_s)
+            if stats.generated_tokens:
+                self._samples = min(WINDOW, self._samples + 1)
 
     def stats(
         self,
@@ -134,4 +157,7 @@ class Tally:
             nonfinite_logits=t["nonfinite"],
             drafted_tokens=t["drafted"],
             accepted_tokens=t["accepted"],
+            prefill_tok_s=_percentiles(self._prefill),
+            samples=self._samples,
+            errors=tuple(self.errors.items()),
         )
