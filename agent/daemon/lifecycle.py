@@ -50,6 +50,7 @@ from agent.ota.updater import Updater
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from agent.status.metrics import Metrics
+from agent.status.runs import RunBook
 from agent.status.value import AgentStatus, rss_bytes
 from agent.systemd.notify import Notifier
 
@@ -73,6 +74,7 @@ class Daemon:
         self._fleet: FleetAgent | None = None
         self._updater: Updater | None = None
         self._http: HttpServer | None = None  # the OpenAI-compatible API, beside gRPC
+        self._runs: RunBook | None = None  # how each model runs here (agent.status.runs)
         self.metrics = Metrics(self._scrape)  # one for the daemon's life: rpc and http report
 
     # ------------------------------------------------------------------ Backend protocol
@@ -104,6 +106,11 @@ class Daemon:
         e, plan = self._serving.engine, self._serving.plan
         if e is None or plan is None:
             raise Unavailable(f"the agent is {self._serving.state}")
+        stats = e.stats()
+        run, previous = None, None
+        if self._runs is not None:
+            self._runs.observe(e.info, e.serial, stats)
+            run, previous = self._runs.runs()
         return AgentStatus(
             profile=plan.profile.name,
             version=__version__,
@@ -114,7 +121,7 @@ class Daemon:
             planned_bytes=e.memory.total,
             model=f"{e.info.name} {e.info.version} {e.info.quantization}",
             active_sessions=e.session_count(),
-            engine=e.stats(),
+            engine=stats,
             kv=e.tier_stats(),
             info=e.info,
             fleet_link=(
@@ -125,6 +132,8 @@ class Daemon:
                 else "disconnected"
             ),
             clock=self._updater.clock.state() if self._updater is not None else None,
+            run=run,
+            previous=previous,
         )
 
     def _scrape(self) -> AgentStatus | None:
@@ -164,6 +173,7 @@ class Daemon:
         plan = s.plan = with_update(base, self._updater)
         self.notifier.status(f"loading {plan.model_dir.name} on {plan.profile.name}")
         engine = s.engine = await self._load(plan)
+        self._runs = RunBook.open(plan.state_dir, engine.info)  # a restart, maybe a crash
         try:
             server = s.server = Server(self, self.config.server, self.config.limits.max_tokens)
             await server.start()  # checks the socket path again, as it binds
@@ -285,6 +295,14 @@ class Daemon:
             self.notifier.status(line)
         if self._fleet is not None:
             self._fleet.tick()
+        self._observe_runs()
+
+    def _observe_runs(self) -> None:
+        """The serving engine's counters into the run record, saved now and then."""
+        e, runs = self._serving.engine, self._runs
+        if e is not None and runs is not None:
+            runs.observe(e.info, e.serial, e.stats())
+            runs.save_if_due()
 
     def _status_line(self) -> str:
         e, server = self._serving.engine, self._serving.server
@@ -355,6 +373,9 @@ class Daemon:
         await server.stop(grace=STREAM_END_GRACE_S)
         if self._fleet is not None:
             self._fleet.stop()  # after the drain: "offline" means no request is running
+        self._observe_runs()
+        if self._runs is not None:
+            self._runs.close()  # a clean stop: the next start is a restart, not a crash
         if s.engine is not None:
             s.engine.close()
         log.info("stopped")

@@ -35,6 +35,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from agent.engine.types import FINISH_REASONS, TokenEvent
+from agent.status.runs import ModelRun
 from agent.status.value import AgentStatus
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,8 @@ class _StatusCollector(Collector):
         yield from _engine(s)
         if s.kv is not None:
             yield from _tiers(s)
+        if s.run is not None:
+            yield from _run(s.run)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -270,6 +273,76 @@ def _tiers(s: AgentStatus) -> Iterator[Metric]:
     yield prefix
     yield _gauge("edge_agent_prefix_cache_bytes", "Bytes the prefix cache holds", kv.prefix_bytes)
     yield _gauge("edge_agent_prefix_cache_entries", "Prefixes cached", kv.prefix_entries)
+
+
+MODEL_LABELS = ("model_sha256", "model_version")
+
+
+def _run(r: ModelRun) -> Iterator[Metric]:
+    """The serving model's figures since its activation on this device (agent.status.runs),
+    labelled by model: a switch starts new series."""
+    model = (r.sha256, r.version)
+
+    def family(kind: str, name: str, doc: str, value: float) -> Metric:
+        cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        m = cls(name, doc, labels=MODEL_LABELS)
+        m.add_metric(model, value)
+        return m
+
+    since = "since the model was activated here, across restarts"
+    yield family("counter", "edge_agent_model_requests", f"Requests ended, {since}", r.requests)
+    errors = CounterMetricFamily(
+        "edge_agent_model_errors",
+        f"Requests ended in an error, by kind, {since}",
+        labels=(*MODEL_LABELS, "kind"),
+    )
+    for kind, n in r.errors:
+        errors.add_metric((*model, kind), n)
+    yield errors
+    yield family(
+        "counter",
+        "edge_agent_model_cancelled",
+        f"Requests cancelled (timeouts not included), {since}",
+        r.cancelled,
+    )
+    yield family(
+        "counter",
+        "edge_agent_model_restarts",
+        "Agent starts on this model after the first",
+        r.restarts,
+    )
+    yield family(
+        "counter",
+        "edge_agent_model_crashes",
+        "Starts on this model that followed an unclean stop",
+        r.crashes,
+    )
+    yield family(
+        "gauge",
+        "edge_agent_model_activated_timestamp_seconds",
+        "When this model began serving on this device",
+        r.activated_unix,
+    )
+    yield family(
+        "gauge",
+        "edge_agent_model_peak_resident_memory_bytes",
+        "The agent's peak RSS while serving this model",
+        r.peak_rss_bytes,
+    )
+    yield family(
+        "gauge", "edge_agent_model_samples", "Recent requests behind the quantiles", r.samples
+    )
+    for name, doc, p, scale in (
+        ("edge_agent_model_time_to_first_token_seconds", "Time to first token", r.ttft_ms, 1e-3),
+        ("edge_agent_model_decode_tokens_per_second", "Decode speed", r.decode_tok_s, 1.0),
+        ("edge_agent_model_prefill_tokens_per_second", "Prefill speed", r.prefill_tok_s, 1.0),
+    ):
+        g = GaugeMetricFamily(
+            name, f"{doc} of recent requests, by quantile", labels=(*MODEL_LABELS, "quantile")
+        )
+        g.add_metric((*model, "0.5"), p.p50 * scale)
+        g.add_metric((*model, "0.95"), p.p95 * scale)
+        yield g
 
 
 def _state(name: str, doc: str, states: tuple[str, ...], current: str) -> StateSetMetricFamily:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from agent.base.clock import ClockState
 from agent.engine.stats import EngineStats, ModelInfo
 from agent.engine.types import TierStats
+from agent.status.runs import ModelRun
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,10 @@ class AgentStatus:
     # scrape asks for it; "": not reported
     update_phase: str = ""
     clock: ClockState | None = None  # whether the wall clock is synchronized (None: not reported)
+    # how the serving model runs since its activation, and the model before it as it last ran
+    # (agent.status.runs; None: not reported / no previous model on this device)
+    run: ModelRun | None = None
+    previous: ModelRun | None = None
 
 
 def rss_bytes() -> int:

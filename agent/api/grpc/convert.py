@@ -22,6 +22,7 @@ from agent.engine.sampler import SamplingParams
 from agent.engine.stats import ModelInfo
 from agent.engine.types import GenerateRequest, SessionInfo, TierStats, TokenEvent
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
+from agent.status.runs import ModelRun
 from agent.status.value import AgentStatus
 from agent.wire.status import tiers_message
 
@@ -229,7 +230,32 @@ def status_message(st: AgentStatus) -> pb.AgentStatus:
         msg.kv.CopyFrom(tiers_message(st.kv))
     if st.clock is not None:
         msg.clock_synchronized, msg.clock_source = st.clock.synchronized, st.clock.source
+    if st.run is not None:
+        msg.run.CopyFrom(figures_message(st.run))
+    if st.previous is not None:
+        msg.previous.CopyFrom(figures_message(st.previous))
     return msg
+
+
+def figures_message(r: ModelRun) -> pb.ModelFigures:
+    """Domain → wire: a model's figures since its activation (agent.status.runs)."""
+    return pb.ModelFigures(
+        sha256=r.sha256,
+        version=r.version,
+        name=r.name,
+        quantization=r.quantization,
+        activated_unix=r.activated_unix,
+        requests=r.requests,
+        errors=dict(r.errors),
+        cancelled=r.cancelled,
+        ttft_ms=pb.Percentiles(p50=r.ttft_ms.p50, p95=r.ttft_ms.p95),
+        decode_tok_s=pb.Percentiles(p50=r.decode_tok_s.p50, p95=r.decode_tok_s.p95),
+        prefill_tok_s=pb.Percentiles(p50=r.prefill_tok_s.p50, p95=r.prefill_tok_s.p95),
+        samples=r.samples,
+        restarts=r.restarts,
+        crashes=r.crashes,
+        peak_rss_bytes=r.peak_rss_bytes,
+    )
 
 
 def model_info_message(i: ModelInfo, tiers: TierStats) -> pb.ModelInfo:

@@ -21,6 +21,7 @@ from agent.engine.stats import ModelInfo
 from agent.engine.stats import Percentiles as StatPercentiles
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
+from agent.status.runs import ModelRun
 from agent.status.value import AgentStatus
 from agent.wire.status import tiers_message
 
@@ -202,9 +203,39 @@ def build_health(
         msg.clock.CopyFrom(
             fpb.Clock(synchronized=status.clock.synchronized, source=status.clock.source)
         )
-    msg.run.model.CopyFrom(msg.model)
+    if status.run is not None:
+        msg.run.CopyFrom(run_message(status.run))
+    else:  # not reported: the model alone, so that its probe has a key
+        msg.run.model.CopyFrom(msg.model)
     _add_probe(msg.run, probes)
+    if status.previous is not None:
+        msg.previous.CopyFrom(run_message(status.previous))
+        _add_probe(msg.previous, probes)
     return msg
+
+
+def run_message(r: ModelRun) -> fpb.ModelRun:
+    """Domain → wire: a model's figures since its activation (agent.status.runs)."""
+    return fpb.ModelRun(
+        model=fpb.ModelRef(
+            name=r.name,
+            version=r.version,
+            sha256=r.sha256,
+            quantization=r.quantization,
+            digest=r.digest,
+        ),
+        activated_unix=r.activated_unix,
+        requests=r.requests,
+        errors=dict(r.errors),
+        cancelled=r.cancelled,
+        ttft_ms=_percentiles(r.ttft_ms),
+        decode_tok_s=_percentiles(r.decode_tok_s),
+        prefill_tok_s=_percentiles(r.prefill_tok_s),
+        samples=r.samples,
+        restarts=r.restarts,
+        crashes=r.crashes,
+        peak_rss_bytes=r.peak_rss_bytes,
+    )
 
 
 def _add_probe(run: fpb.ModelRun, probes: Probes) -> None:
