@@ -134,16 +134,15 @@ class Check:
             return f"{v:.2%}" if self.metric == "errors" else f"{v:.4g}"
 
         c = self.change
-        limit = f"{self.threshold:.1%}" if kind == "ratio" or self.metric == "errors" else (
-            f"{self.threshold:g}"
-        )  # fmt: skip
-        if c is None:
-            worse = f"limit {limit}"
-        elif kind == "ratio" or self.metric == "errors":
-            worse = f"{c:+.1%} worse; limit {limit}"
+        if kind == "ratio":  # a share of the before figure
+            limit, worse = f"{self.threshold:.1%}", "" if c is None else f"{c:+.1%}"
+        elif self.metric == "errors":  # percentage points of the requests
+            limit = f"{self.threshold * 100:.1f} points"
+            worse = "" if c is None else f"{c * 100:+.1f} points"
         else:
-            worse = f"{c:+.4g} worse; limit {limit}"
-        devices = f"{self.before_devices} -> {self.after_devices} devices"
+            limit, worse = f"{self.threshold:g}", "" if c is None else f"{c:+.3f}"
+        worse = f"{worse} worse; limit {limit}" if worse else f"limit {limit}"
+        devices = f"devices {self.before_devices} before, {self.after_devices} after"
         text = f"{name} {fig(self.before)} -> {fig(self.after)} {unit}".rstrip()
         note = f"; {self.note}" if self.note else ""
         return f"{text} ({worse}; {devices}{note}): {self.verdict.upper()}"
