@@ -618,7 +618,7 @@ class FleetSim:
             max_download_attempts=max_download_attempts,
             clock="trusted",  # a simulated board's clock is this machine's, taken as right
         )
-        self.nofile = raise_nofile(4 * len(devices) + 256)  # socket + paho's socketpair each
+        self.nofile = raise_nofile(6 * len(devices) + 256)  # socket, paho's and the link's pairs
         use_poll_in_paho()
         root.mkdir(parents=True, exist_ok=True)
         self._untrusted = untrusted_keys_dir(root / "untrusted-keys")
@@ -896,7 +896,7 @@ class FleetSim:
         if isinstance(sock, socket.socket):
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-        link._wake.set()
+        link._wake_up()
         link._thread.join(10)
         with contextlib.suppress(Exception):
             link._client._sock_close()

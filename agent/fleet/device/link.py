@@ -6,11 +6,14 @@ on PUBACK (`FleetLink`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
+import select
+import socket
 import ssl
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +41,9 @@ log = logging.getLogger(__name__)
 
 BACKOFF_MIN_S = 1.0
 BACKOFF_MAX_S = 120.0
-LOOP_S = 0.1  # how often the network thread looks at pending health and events
+LOOP_S = 5.0  # the longest an idle network thread sleeps (work wakes it at once)
+_READ = select.POLLIN | select.POLLPRI
+_GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL
 # A JSON command is read if it is at most this many times `max_command_bytes` (base64 bodies,
 # field names), and then its protobuf size counts against the limit.
 JSON_READ_FACTOR = 2
@@ -153,12 +158,15 @@ class FleetLink:
         self._block_cv = threading.Condition(self._lock)
         self._stop = threading.Event()
         self._connected = threading.Event()
-        self._wake = threading.Event()
+        # wakes the network thread's poll; paho's write interest goes through it too
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._client.on_socket_register_write = self._wake_up
         self.session = 0
         self.connects = 0
         self._at = 0  # which of opts.brokers we connect to next (or are connected to)
-        self.loop_s = LOOP_S  # the network thread's poll for health and events (a simulator
-        # with a thousand links in one process sets it longer: each poll is a GIL handoff)
+        self.loop_s = LOOP_S  # the idle network thread's longest sleep (keepalive/4 if less)
         self._thread = threading.Thread(target=self._run, name="edge-agent-fleet", daemon=True)
 
     # ------------------------------------------------------------------ any thread
@@ -179,10 +187,10 @@ class FleetLink:
         """Publish `health` when connected; a newer one replaces it if it is still waiting."""
         with self._lock:
             self._health = health
-        self._wake.set()
+        self._wake_up()
 
     def events_added(self) -> None:
-        self._wake.set()
+        self._wake_up()
 
     def reply(self, route: Route, response: fpb.CommandResponse) -> None:
         payload, props = outgoing(self.opts, response, correlation=route.correlation)
@@ -217,9 +225,12 @@ class FleetLink:
             if not info.is_published():
                 log.warning("fleet: no PUBACK for the offline state within %.1f s", timeout)
         self._stop.set()
-        self._wake.set()
+        self._wake_up()
         self._thread.join(timeout + 2)
+        self._client.on_socket_register_write = None  # no network thread: paho writes itself
         self._client.disconnect()
+        self._wake_r.close()
+        self._wake_w.close()
 
     # ------------------------------------------------------------------ network thread
 
@@ -236,21 +247,56 @@ class FleetLink:
                 self._next_broker()
                 self._stop.wait(backoff.delay())
                 continue
-            while not self._stop.is_set():
-                rc = self._client.loop(timeout=self.loop_s)
-                if rc != mqtt.MQTT_ERR_SUCCESS:
-                    break
-                if self._connected.is_set():
-                    if failing:
-                        failing = False
-                    backoff.reset()
-                    self._pump()
+            for _ in self._serve():
+                if failing:
+                    failing = False
+                backoff.reset()
             # an event in flight stays in flight: paho sends it again after the reconnect,
             # to whichever node answers
             self._connected.clear()
             if not self._stop.is_set():
                 self._next_broker()
                 self._stop.wait(backoff.delay())
+
+    def _serve(self) -> Iterator[None]:
+        """Run the connection until it fails or `stop()`: poll(2) on paho's socket and our wake
+        pipe (paho's external-loop API), so that an idle link sleeps until the broker sends
+        something, a caller has work for it, or `loop_s` passes (keepalive). Yields after
+        each round in which it is connected and has pumped."""
+        sock = self._client.socket()
+        if sock is None:
+            return
+        fd = sock.fileno()
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        idle_ms = 1000.0 * min(self.loop_s, self.opts.keepalive_s / 4)
+        pending = getattr(sock, "pending", None)  # TLS: bytes already decrypted, unread
+        while not self._stop.is_set():
+            poller.register(fd, _READ | (select.POLLOUT if self._client.want_write() else 0))
+            buffered = pending is not None and pending() > 0
+            ready = dict(poller.poll(0 if buffered else idle_ms))
+            if self._wake_r.fileno() in ready:
+                with contextlib.suppress(BlockingIOError):
+                    self._wake_r.recv(4096)
+            rc = mqtt.MQTT_ERR_SUCCESS
+            if buffered or ready.get(fd, 0) & (_READ | _GONE):
+                rc = self._client.loop_read()
+            if rc == mqtt.MQTT_ERR_SUCCESS and self._client.want_write():
+                rc = self._client.loop_write()
+            if rc == mqtt.MQTT_ERR_SUCCESS:
+                rc = self._client.loop_misc()
+            if rc != mqtt.MQTT_ERR_SUCCESS or self._client.socket() is not sock:
+                return
+            if self._connected.is_set():
+                self._pump()
+                yield
+
+    def _wake_up(self, *_args: Any) -> None:
+        """Any thread: the network thread has work (health, an event, a packet to write, stop).
+        Also paho's `on_socket_register_write`, so a publish from another thread is written
+        by the network thread at once."""
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"\0")
 
     def _next_broker(self) -> None:
         """Move on to the next broker of the list (a ring); one broker: stay."""
@@ -288,7 +334,7 @@ class FleetLink:
         birth = self._state(fpb.DeviceState.ONLINE, self.session)
         self._publish(self.topics.state, birth, retain=True)
         self._connected.set()
-        self._wake.set()
+        self._wake_up()
 
     def _on_disconnect(self, _c: mqtt.Client, _u: Any, _f: Any, rc: Any, _p: Any) -> None:
         if self._connected.is_set():
@@ -322,7 +368,7 @@ class FleetLink:
         if mid == self._event_mid:
             self._outbox.ack(self._event_seq)
             self._event_mid = None
-            self._wake.set()
+            self._wake_up()
 
     def _on_message(self, _c: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
         if msg.topic == self.topics.block_data:
