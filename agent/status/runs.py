@@ -72,7 +72,16 @@ class _Live:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size (getrusage's ru_maxrss; 0 where unknown)."""
+    """This process's peak resident set size: VmHWM of /proc/self/status (the peak of this
+    program's memory since exec; getrusage's ru_maxrss may include the peak of the process that
+    started it, whose memory it shared until exec), else ru_maxrss; 0 where neither is known."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     except (OSError, ValueError):
