@@ -141,6 +141,7 @@ def cmd_rollout_start(args: argparse.Namespace) -> int:
         gate = parse_gates(
             args.gate or [], args.no_gate or [], min_samples=args.gate_min_samples,
             min_devices=args.gate_min_devices, undecided=args.gate_undecided,
+            scope=args.gate_scope,
             wait_s=_duration("--gate-wait", args.gate_wait, zero_ok=True)
             if args.gate_wait is not None else soak,
         )  # fmt: skip
@@ -364,6 +365,13 @@ def add_rollout_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
         default="pass",
         help="what a gate still short of samples after --gate-wait does (default: pass, "
         "shown as undecided in the report)",
+    )
+    p.add_argument(
+        "--gate-scope",
+        choices=("rollout", "class"),
+        default="rollout",
+        help="a gate failing on one board class halts the rollout (default), or only that "
+        "class's devices: the others go on, and the rollout halts after its last wave",
     )
     common(p)
     _connection_args(p)

@@ -94,6 +94,9 @@ class Gates:
     min_devices: int = 1  # per board class: updated devices with enough samples
     wait_s: float = 0.0  # how long a settled wave waits for samples before `undecided` applies
     undecided: str = "pass"  # "pass" | "halt": what a gate still short of samples then does
+    # what a failing class stops: "rollout" (it halts) or "class" (its devices are offered no
+    # more; the others go on, and the rollout halts at its last wave instead of completing)
+    scope: str = "rollout"
 
     def threshold(self, metric: str) -> float | None:
         return dict(self.thresholds).get(metric)
@@ -161,13 +164,15 @@ class Override:
 
 def parse_gates(
     gate: list[str], no_gate: list[str], *, min_samples: int, min_devices: int, wait_s: float,
-    undecided: str,
+    undecided: str, scope: str = "rollout",
 ) -> Gates:  # fmt: skip
     """The default gates changed by `--gate METRIC:THRESHOLD` and `--no-gate METRIC|all`."""
     if min_samples < 1 or min_devices < 1:
         raise GateError("--gate-min-samples and --gate-min-devices: at least 1")
     if undecided not in ("pass", "halt"):
         raise GateError(f"--gate-undecided {undecided!r}: pass or halt")
+    if scope not in ("rollout", "class"):
+        raise GateError(f"--gate-scope {scope!r}: rollout or class")
     chosen = dict(DEFAULT_THRESHOLDS)
     for value in no_gate:
         if value == "all":
@@ -187,7 +192,7 @@ def parse_gates(
             )
         chosen[check_metric(metric, "--gate")] = threshold
     ordered = tuple((m, chosen[m]) for m in METRICS if m in chosen)
-    return Gates(ordered, min_samples, min_devices, wait_s, undecided)
+    return Gates(ordered, min_samples, min_devices, wait_s, undecided, scope)
 
 
 def worse_by(metric: str, before: float | None, after: float | None) -> float | None:
@@ -213,7 +218,8 @@ def check_metric(metric: str, flag: str) -> str:
 
 def gates_to_json(g: Gates) -> dict[str, Any]:
     return {"thresholds": dict(g.thresholds), "min_samples": g.min_samples,
-            "min_devices": g.min_devices, "wait_s": g.wait_s, "undecided": g.undecided}  # fmt: skip
+            "min_devices": g.min_devices, "wait_s": g.wait_s, "undecided": g.undecided,
+            "scope": g.scope}  # fmt: skip
 
 
 def gates_from_json(doc: Any) -> Gates:
@@ -229,6 +235,7 @@ def gates_from_json(doc: Any) -> Gates:
         int(doc["min_devices"]),
         float(doc["wait_s"]),
         str(doc["undecided"]),
+        str(doc.get("scope", "rollout")),
     )
 
 

@@ -14,8 +14,9 @@ with what `RolloutView` heard.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from agent.operator.rollout.figures import Check, DeviceRuns, Figures, Gates, Override, worse_by
@@ -26,8 +27,10 @@ HALTING = ("fail", "undecided")
 
 @dataclass(frozen=True, slots=True)
 class Judgement:
-    decision: str  # "pass" (the wave may end) | "wait" (for samples) | "halt"
-    reason: str  # why it halts ("" otherwise)
+    # "pass" (the wave may end) | "wait" (for samples) | "halt" | "hold" (the wave may end,
+    # but classes failed: `held`; the rollout halts at its last wave instead of completing)
+    decision: str
+    reason: str  # why it halts or holds ("" otherwise)
     checks: tuple[Check, ...]  # every gate on every class, figures beside the threshold
 
 
@@ -72,10 +75,13 @@ def judge(
                 c = dataclasses.replace(c, verdict="overridden")
             checks.append(c)
     failed = [c for c in checks if c.verdict == "fail"]
-    if failed:
+    if failed and g.scope == "rollout":
         return Judgement("halt", _why("gate failed", failed), tuple(checks))
     if any(c.verdict == "wait" for c in checks):
         return Judgement("wait", "", tuple(checks))
+    if failed:  # --gate-scope class: the wave ends; these classes get no more offers
+        why = _why("gate failed; not offered to its class any more", failed)
+        return Judgement("hold", why, tuple(checks))
     short = [c for c in checks if c.verdict == "undecided"]
     if short and g.undecided == "halt":
         return Judgement("halt", _why("gate undecided (too few samples)", short), tuple(checks))
@@ -124,6 +130,34 @@ def figure(g: Gates, metric: str, figs: list[Figures], probe_id: str) -> tuple[f
     else:
         values = [f.ttft_p95 for f in figs if f.samples >= g.min_samples and f.ttft_p95 > 0]
     return (sum(values) / len(values) if values else None), len(values)
+
+
+def rules(
+    runs: Mapping[str, DeviceRuns], r: Rollout
+) -> tuple[Callable[[Rollout, Wave, Mapping[str, Device], float], Judgement],
+           Callable[[str], bool] | None]:  # fmt: skip
+    """What `plan.step` takes: `judge` over what the view heard, and whether a device is of a
+    board class the gates hold (None: none is)."""
+    boards = held(r)
+
+    def of_held(device_id: str) -> bool:
+        x = runs.get(device_id)
+        return x is not None and x.board in boards
+
+    return functools.partial(judge, runs), (of_held if boards else None)
+
+
+def held(r: Rollout) -> frozenset[str]:
+    """The board classes a failed gate no override covers holds (`--gate-scope class`): their
+    devices are offered no more."""
+    if r.spec.gates.scope != "class" or not r.checks:
+        return frozenset()
+    latest = max(c.wave for c in r.checks)
+    off = {o.metric for o in r.overrides}
+    return frozenset(
+        c.board for c in r.checks
+        if c.wave == latest and c.verdict == "fail" and not ({c.metric, "all"} & off)
+    )  # fmt: skip
 
 
 def halting(r: Rollout) -> list[str]:

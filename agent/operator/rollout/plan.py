@@ -171,13 +171,15 @@ Judge = Callable[[Rollout, Wave, Mapping[str, Device], float], Judgement]  # gat
 
 
 def step(
-    r: Rollout, seen: Mapping[str, Seen], now: float, judge: Judge | None = None
-) -> tuple[Rollout, tuple[str, ...]]:
+    r: Rollout, seen: Mapping[str, Seen], now: float, judge: Judge | None = None,
+    held: Callable[[str], bool] | None = None,
+) -> tuple[Rollout, tuple[str, ...]]:  # fmt: skip
     """The rollout at `now` and the devices to offer to (already marked offered in it). A
     named target device (`--target DEV`) that the wave's quota wants but that is not online
     holds the wave up to the wave timeout from its start; then it has failed (`never_online`),
     counted against the threshold as an offered device that failed. `judge` (the gates) decides
-    whether a soaked wave ends, waits for figures, or halts the rollout."""
+    whether a soaked wave ends, waits for figures, or halts the rollout; no new device is
+    offered for which `held` (the board classes gates hold) is true."""
     if r.state != State.RUNNING:
         return r, ()
     spec, devs = r.spec, r.by_id()
@@ -219,7 +221,10 @@ def step(
         pool = counted | {d for d in targets if d not in devs}
         need = quota(wave.fraction, len(pool)) - len(counted)
         if need > 0:  # ordering every free device at every tick cost 10,000 devices 30 ms
-            free = (d for d in pool - counted if d in seen and seen[d].online)
+            free = (
+                d for d in pool - counted
+                if d in seen and seen[d].online and (held is None or not held(d))
+            )  # fmt: skip
             fresh = ordered(spec.rollout_id, free)[:need]
             offers += fresh
             if spec.target.kind == "devices" and len(fresh) < need:
@@ -258,12 +263,13 @@ def step(
             j = judge(r, wave, devs, now) if judge is not None else None
             if j is not None:  # the gates' figures for this wave, replaced at every judgement
                 checks = (*(c for c in checks if c.wave != r.wave), *j.checks)
-            if j is not None and j.decision == "halt":
+            last = r.wave + 1 == len(r.waves)
+            if j is not None and (j.decision == "halt" or (j.decision == "hold" and last)):
                 state, reason = State.HALTED, f"wave {r.wave + 1}: {j.reason}"
                 halts = (*halts, reason)
-            elif j is None or j.decision == "pass":
+            elif j is None or j.decision in ("pass", "hold"):
                 wave = dataclasses.replace(wave, ended_unix=now)
-                if r.wave + 1 == len(r.waves):
+                if last:
                     state, reason = State.COMPLETED, "every wave ended under the failure threshold"
                     skipped = tuple(sorted(targets - devs.keys()))
                 else:

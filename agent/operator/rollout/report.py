@@ -142,7 +142,8 @@ class RolloutReport:
             out.append(
                 f"  gates: {limits} (at least {self.gates.min_samples} samples per device, "
                 f"{self.gates.min_devices} devices per board; short of them after "
-                f"{self.gates.wait_s:g} s: {self.gates.undecided})"
+                f"{self.gates.wait_s:g} s: {self.gates.undecided}; a failing class halts "
+                f"{'its own devices' if self.gates.scope == 'class' else 'the rollout'})"
             )
         else:
             out.append("  gates: none")

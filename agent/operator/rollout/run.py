@@ -19,7 +19,6 @@ the state before every offer, and sends the offers (`agent.operator.publish.Offe
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import re
 import threading
@@ -405,8 +404,8 @@ class _Driver:
     def tick(self, link: _Link) -> None:
         self.apply_heard()
         before = self.r
-        judge = functools.partial(gates.judge, self.view.runs)
-        new, offers = plan.step(self.r, self.view.seen, self.clock(), judge)
+        judge, held = gates.rules(self.view.runs, self.r)
+        new, offers = plan.step(self.r, self.view.seen, self.clock(), judge, held)
         if new is before:
             if self.dirty and time.monotonic() - self.saved_at >= SAVE_EVERY_S:
                 self.save()

@@ -257,6 +257,8 @@ def test_parse_gates() -> None:
             parse_gates(bad, [], min_samples=1, min_devices=1, wait_s=0, undecided="pass")
     with pytest.raises(GateError, match="--no-gate 'speed'"):
         parse_gates([], ["speed"], min_samples=1, min_devices=1, wait_s=0, undecided="pass")
+    with pytest.raises(GateError, match="--gate-scope 'board'"):
+        parse_gates([], [], min_samples=1, min_devices=1, wait_s=0, undecided="pass", scope="board")
     with pytest.raises(GateError, match="at least 1"):
         parse_gates([], [], min_samples=0, min_devices=1, wait_s=0, undecided="pass")
 
@@ -320,3 +322,51 @@ def test_wave_state_of_a_settled_wave_is_what_judge_sees() -> None:
 
     plan.step(r, online(["d0"]), T0 + 20, spy)
     assert seen == [r.waves[0]] and seen[0].settled_unix == T0
+
+
+def _drive(r: Rollout, heard: dict[str, DeviceRuns], now: float) -> tuple[Rollout, list[str]]:
+    """Steps the rules until the rollout stops running; each offered device commits at once
+    and reports the target model, 2x slower on rk3588 boards. The offers, in order."""
+    offered: list[str] = []
+    seen = online(sorted(heard))
+    for _ in range(60):
+        judge_, held = gates.rules(heard, r)
+        r, offers = plan.step(r, seen, now, judge_, held)
+        for d in offers:
+            offered.append(d)
+            slow = heard[d].profile == "rk3588"
+            after = figs(NEW, decode_p50=10.0 if slow else 20.0)
+            heard[d] = dataclasses.replace(heard[d], run=after, previous=figs())
+        r = plan.learn_all(r, [(d, plan.Heard(r.spec.update_id, "COMMITTED", timestamp_unix=now))
+                               for d in offers], now)  # fmt: skip
+        if r.state != State.RUNNING:
+            break
+        now += 20
+    return r, offered
+
+
+def test_gate_scope_class_holds_the_failing_class_and_halts_after_the_last_wave() -> None:
+    """--gate-scope class: rk3588 boards run it slower; once that shows, no more rk3588 board
+    is offered, the pi5 boards go on to the last wave, and then the rollout halts (not
+    completed) naming the class; an override of the gate offers the rest."""
+    boards = {f"pi-{i}": "pi5" for i in range(6)} | {f"rk-{i}": "rk3588" for i in range(6)}
+    heard = {d: DeviceRuns(b, "aarch64", T0, figs(), None) for d, b in boards.items()}
+    g = dataclasses.replace(GATES, scope="class", wait_s=0.0)
+    r = plan.create(spec(gates=g, waves=(0.1, 0.5, 1.0)), T0)
+    r, offered = _drive(r, heard, T0)
+    assert r.state == State.HALTED and r.wave == 2, r.reason
+    assert "decode_tok_s on rk3588/aarch64" in r.reason and "not offered to its class" in r.reason
+    assert sorted(d for d in offered if d.startswith("pi")) == sorted(
+        b for b in boards if b[0] == "p"
+    )
+    first_fail = min(c.wave for c in r.checks if c.verdict == "fail")
+    by_wave = {d.device_id: d.wave for d in r.devices}
+    rk = [d for d in offered if d.startswith("rk")]
+    assert 1 <= len(rk) < 6 and all(by_wave[d] <= first_fail for d in rk)
+    assert gates.held(r) == {"rk3588/aarch64"} and gates.halting(r) == ["decode_tok_s"]
+    ask = (Override("decode_tok_s", "rk3588 thermal limits known", "op@host", 0.0, 0),)
+    r = plan.resume(gates.override(r, ask, T0 + 5000), T0 + 5000)
+    assert gates.held(r) == frozenset()
+    r, more = _drive(r, heard, T0 + 5000)
+    assert r.state == State.COMPLETED and sorted(more) == sorted(set(boards) - set(offered))
+    assert "a failing class halts its own devices" in "\n".join(report(r).lines())
