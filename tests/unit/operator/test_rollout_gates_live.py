@@ -24,7 +24,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from agent.config.file import parse_broker
 from agent.fleet.mqtt import MqttOptions
 from agent.operator.publish import read_offer
-from agent.operator.rollout.figures import Override
+from agent.operator.rollout.figures import DEFAULT_THRESHOLDS, Gates, Override
 from agent.operator.rollout.run import create_rollout, load_rollout, run_rollout
 from agent.operator.rollout.state import State, Target, parse_waves
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
@@ -53,8 +53,11 @@ class Boards:
     command comes; then it reports the update committed and serves the target with `after`."""
 
     def __init__(self, broker: Mosquitto, update_id: str, target_sha: str, n: int,
-                 after: dict[str, float]) -> None:  # fmt: skip
+                 after: dict[str, float], rk_after: dict[str, float] | None = None,
+                 ) -> None:  # fmt: skip
+        """`rk_after`: every other board is an rk3588 that runs the target so (pi5: `after`)."""
         self.update_id, self.target_sha, self.after = update_id, target_sha, after
+        self.rk_after = rk_after
         self.devices = [f"board-{i:02d}" for i in range(n)]
         self.commands: dict[str, int] = {d: 0 for d in self.devices}
         self.seq = 0
@@ -80,10 +83,10 @@ class Boards:
         with self.lock:
             self.seq += 1
             h = pb.Health(seq=self.seq, session=1, device_id=device, timestamp_unix=time.time())
-        h.profile, h.arch = "pi5", "aarch64"
+        h.profile, h.arch = self.profile(device), "aarch64"
         old = model_run(OLD_SHA, "1.0.0", GOOD["decode"], GOOD["ttft"], GOOD["nll"], 1)
         if updated:
-            a = self.after
+            a = self.rk_after if h.profile == "rk3588" and self.rk_after else self.after
             h.run.CopyFrom(model_run(self.target_sha, "1.1.0", a["decode"], a["ttft"], a["nll"],
                                      int(a["errors"])))  # fmt: skip
             h.previous.CopyFrom(old)
@@ -110,6 +113,9 @@ class Boards:
         self._health(device, updated=True)
         self._publish(f"{PREFIX}/{device}/update/status", event.SerializeToString(), False)
 
+    def profile(self, device: str) -> str:
+        return "rk3588" if self.rk_after and self.devices.index(device) % 2 else "pi5"
+
     def offered(self) -> list[str]:
         with self.lock:
             return sorted(d for d, n in self.commands.items() if n)
@@ -132,10 +138,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> SimModels:
 
 
 def rollout(broker: Mosquitto, models: SimModels, tmp_path: Path, after: dict[str, float],
-            **gate: object) -> tuple[Boards, Path, str]:  # fmt: skip
+            rk_after: dict[str, float] | None = None, **gate: object,
+            ) -> tuple[Boards, Path, str]:  # fmt: skip
     bundle = models.bundle(tmp_path / "u.tar", version=1)
     _, manifest, _ = read_offer(bundle)
-    boards = Boards(broker, manifest.update_id, manifest.target_model_sha256, 10, after)
+    boards = Boards(broker, manifest.update_id, manifest.target_model_sha256, 10, after, rk_after)
     store = tmp_path / "rollouts"
     r = create_rollout(
         store, bundle, Target("all"), parse_waves("10%,50%,100%"), prefix=PREFIX,
@@ -238,3 +245,34 @@ def test_bad_gate_flags_are_one_line_and_exit_2(models: SimModels, tmp_path: Pat
         assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
         assert says in done.stderr
     assert not (tmp_path / "r").exists()  # nothing written
+
+
+@pytest.mark.parametrize("scope", ["rollout", "class"])
+def test_slower_on_one_board_class_halts_by_the_scope_policy(
+    broker: Mosquitto, models: SimModels, tmp_path: Path, scope: str
+) -> None:
+    """Half the boards are rk3588s on which the target decodes at half speed: by default the
+    rollout halts at the first wave that updated one, with no device beyond that wave offered;
+    with --gate-scope class the pi5s all get it, the rk3588s no more, and it halts at the end."""
+    slow = {**GOOD, "decode": 10.0}
+    g = Gates(DEFAULT_THRESHOLDS, wait_s=0.0, scope=scope)
+    boards, store, rid = rollout(broker, models, tmp_path, GOOD, slow, gate=g)
+    try:
+        rep = run_rollout(opts(broker), store, rid)
+        assert rep.state == "halted" and "decode_tok_s on rk3588/aarch64" in rep.reason
+        r = load_rollout(store, rid)
+        v = {(c.board, c.metric): c.verdict for c in r.checks if c.wave == r.wave}
+        assert v[("rk3588/aarch64", "decode_tok_s")] == "fail"
+        assert v[("pi5/aarch64", "decode_tok_s")] == "pass"
+        pis = [d for d in boards.devices if boards.profile(d) == "pi5"]
+        rks = [d for d in boards.offered() if boards.profile(d) == "rk3588"]
+        failed_at = min(c.wave for c in r.checks if c.verdict == "fail")
+        assert all(d.wave <= failed_at for d in r.devices if d.device_id in rks)
+        if scope == "rollout":
+            assert r.wave == failed_at and all(d.wave <= failed_at for d in r.devices)
+        else:
+            assert r.wave == 2 and set(pis) <= set(boards.offered()) and len(rks) < 5
+            assert "not offered to its class" in rep.reason
+        assert set(boards.commands.values()) <= {0, 1}
+    finally:
+        boards.close()
