@@ -27,7 +27,10 @@ class Serving:
     """The serving engine and plan, and the state: starting, serving, reloading, stopping."""
 
     def __init__(
-        self, load: Callable[[Plan], Awaitable[Engine]], drain_timeout: Callable[[], float]
+        self,
+        load: Callable[[Plan], Awaitable[Engine]],
+        drain_timeout: Callable[[], float],
+        drained: Callable[[Engine], None] = lambda engine: None,
     ) -> None:
         self.engine: Engine | None = None
         self.plan: Plan | None = None
@@ -36,6 +39,7 @@ class Serving:
         self._load = load  # builds an engine, keeping systemd fed meanwhile
         self._drain_timeout = drain_timeout  # the configuration in force says how long
         self._draining: list[tuple[threading.Thread, Engine]] = []
+        self._drained = drained  # a replaced engine has ended its last request (its counts)
 
     async def switch_to(
         self, plan: Plan, check: Callable[[Engine], str | None] | None = None
@@ -94,6 +98,7 @@ class Serving:
         old, self.engine = self.engine, None
         if old is not None:
             await loop.run_in_executor(None, old.stop, self._drain_timeout())
+            self._report_drained(old)
             old.close()
 
     def _drain_in_background(self, old: Engine) -> None:
@@ -101,12 +106,19 @@ class Serving:
 
         def drain() -> None:
             drained = old.stop(timeout)
+            self._report_drained(old)
             old.close()
             log.info("previous engine %s", "drained" if drained else "stopped after timeout")
 
         t = threading.Thread(target=drain, name="edge-agent-drain", daemon=True)
         t.start()
         self._draining.append((t, old))
+
+    def _report_drained(self, old: Engine) -> None:
+        try:
+            self._drained(old)
+        except Exception:  # only its figures miss it: the drain goes on
+            log.exception("previous engine: its last counts were not recorded")
 
     def stop_draining(self, timeout: float) -> None:
         """The daemon is stopping: previous engines still draining in the background refuse

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 FILE_NAME = "model-runs.json"
 FORMAT = 1
 SAVE_EVERY_S = 60.0  # counters a kill -9 may lose at most (a clean stop saves them all)
+MAX_RETIRED = 4  # replaced engines whose last requests may still be counted
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +108,8 @@ class RunBook:
         self._base = current
         self._previous = previous
         self._live = _Live()
+        # engines replaced while they still drain: their counts as last seen, and their model
+        self._retired: dict[int, tuple[str, _Live]] = {}
         self._live_figures: tuple[Percentiles, Percentiles, Percentiles, int] | None = None
         self._saved_at = time.monotonic()
         self._dirty = False
@@ -153,6 +156,8 @@ class RunBook:
         with self._lock:
             switched = info.sha256 != self._base.sha256
             new_engine = engine != self._live.engine
+            if new_engine and self._live.engine:
+                self._retire(self._base.sha256, self._live)
             if switched:
                 self._previous = self._folded()
                 self._base, self._live = _fresh(info, time.time()), _Live(engine)
@@ -167,9 +172,7 @@ class RunBook:
                 self._base, self._live = self._folded(), _Live(engine)
             if switched or new_engine:
                 self._live_figures = None
-            errors = dict(stats.errors)
-            timeouts = errors.get("timeout", 0)
-            live = _Live(engine, stats.requests_total, stats.requests_cancelled - timeouts, errors)
+            live = _live_of(engine, stats)
             if (live.requests, live.cancelled, live.errors) != (
                 self._live.requests,
                 self._live.cancelled,
@@ -183,6 +186,37 @@ class RunBook:
         if switched:
             reset_peak_rss()
             self.save(running=True)
+
+    def drained(self, engine: int, stats: EngineStats) -> None:
+        """A replaced engine has finished its last requests: what it counted after it was last
+        seen goes to the run of its model (the current one after a reload, `previous` after a
+        switch; nowhere when that run is gone)."""
+        with self._lock:
+            final = _live_of(engine, stats)
+            if engine == self._live.engine:  # not seen replaced yet: its last counts stand
+                self._live, self._dirty = final, True
+                return
+            sha, seen = self._retired.pop(engine, ("", _Live()))
+            counts = (final.requests, final.cancelled, final.errors)
+            if not sha or counts == (seen.requests, seen.cancelled, seen.errors):
+                return
+            delta = _Live(
+                engine,
+                final.requests - seen.requests,
+                final.cancelled - seen.cancelled,
+                {k: n - seen.errors.get(k, 0) for k, n in final.errors.items()},
+            )
+            if sha == self._base.sha256:
+                self._base = _add(self._base, delta)
+            elif self._previous is not None and sha == self._previous.sha256:
+                self._previous = _add(self._previous, delta)
+            self._dirty = True
+
+    def _retire(self, sha: str, live: _Live) -> None:
+        """Under the lock: keep a replaced engine's last-seen counts until `drained`."""
+        self._retired[live.engine] = (sha, live)
+        while len(self._retired) > MAX_RETIRED:  # engines that never report drained
+            del self._retired[min(self._retired)]
 
     def runs(self) -> tuple[ModelRun, ModelRun | None]:
         """The current run (base plus the serving engine's counters) and the previous one."""
@@ -212,23 +246,32 @@ class RunBook:
 
     def _folded(self) -> ModelRun:
         """Under the lock: the base with the live counters and figures added."""
-        b, live = self._base, self._live
-        errors = dict(b.errors)
-        for kind, n in live.errors.items():
-            errors[kind] = errors.get(kind, 0) + n
-        run = replace(
-            b,
-            requests=b.requests + live.requests,
-            cancelled=b.cancelled + live.cancelled,
-            errors=tuple(errors.items()),
-            peak_rss_bytes=max(b.peak_rss_bytes, peak_rss_bytes()),
-        )
+        b = self._base
+        run = replace(_add(b, self._live), peak_rss_bytes=max(b.peak_rss_bytes, peak_rss_bytes()))
         if self._live_figures is not None:
             ttft, decode, prefill, samples = self._live_figures
             run = replace(
                 run, ttft_ms=ttft, decode_tok_s=decode, prefill_tok_s=prefill, samples=samples
             )
         return run
+
+
+def _live_of(engine: int, stats: EngineStats) -> _Live:
+    errors = dict(stats.errors)
+    cancelled = stats.requests_cancelled - errors.get("timeout", 0)  # a timeout is an error
+    return _Live(engine, stats.requests_total, cancelled, errors)
+
+
+def _add(run: ModelRun, live: _Live) -> ModelRun:
+    errors = dict(run.errors)
+    for kind, n in live.errors.items():
+        errors[kind] = errors.get(kind, 0) + n
+    return replace(
+        run,
+        requests=run.requests + live.requests,
+        cancelled=run.cancelled + live.cancelled,
+        errors=tuple(errors.items()),
+    )
 
 
 def _fresh(info: ModelInfo, now: float) -> ModelRun:

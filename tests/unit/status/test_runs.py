@@ -193,3 +193,36 @@ def test_the_figures_survive_a_round_trip_through_the_file(tmp_path: Path) -> No
     assert dataclasses.replace(after, restarts=0, peak_rss_bytes=0) == dataclasses.replace(
         before, peak_rss_bytes=0
     )
+
+
+def test_a_replaced_engine_reports_what_it_finished_while_draining(tmp_path: Path) -> None:
+    book = RunBook.open(tmp_path, info())
+    book.observe(info(), 1, stats(requests=3))
+    book.observe(info(), 2, stats(requests=1))  # a reload: engine 1 still drains
+    book.drained(1, stats(requests=5, constraint=1))  # two more ended there, one failed
+    run, prev = book.runs()
+    assert (run.requests, run.error_count("constraint"), prev) == (6, 1, None)
+    book.drained(1, stats(requests=9))  # once only
+    book.drained(7, stats(requests=9))  # an engine it never saw
+    assert book.runs()[0].requests == 6
+
+    # a switch: what the old model's engine finishes goes to the previous run
+    book.observe(info(SHA_B), 3, stats())
+    book.drained(2, stats(requests=2, cancelled=1, timeout=1))
+    run, prev = book.runs()
+    assert prev is not None and (prev.requests, prev.cancelled, prev.error_count("timeout")) == (
+        7,
+        0,
+        1,
+    )
+    assert run.requests == 0
+
+
+def test_an_engine_drained_before_it_was_seen_replaced_keeps_its_last_counts(
+    tmp_path: Path,
+) -> None:
+    book = RunBook.open(tmp_path, info())
+    book.observe(info(), 1, stats(requests=1))
+    book.drained(1, stats(requests=4))
+    book.observe(info(), 2, stats(requests=1))
+    assert book.runs()[0].requests == 5
