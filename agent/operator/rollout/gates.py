@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -124,11 +125,14 @@ def figure(g: Gates, metric: str, figs: list[Figures], probe_id: str) -> tuple[f
         total = sum(f.requests for f in ok)
         return (sum(f.errors for f in ok) / total if total else None), len(ok)
     if metric == "nll":
-        values = [f.nll for f in figs if probe_id and f.probe_id == probe_id and f.probe_runs]
+        values = [
+            f.nll for f in figs
+            if probe_id and f.probe_id == probe_id and f.probe_runs and math.isfinite(f.nll)
+        ]  # fmt: skip
     elif metric == "decode_tok_s":
-        values = [f.decode_p50 for f in figs if f.samples >= g.min_samples and f.decode_p50 > 0]
+        values = [f.decode_p50 for f in figs if f.samples >= g.min_samples and _ok(f.decode_p50)]
     else:
-        values = [f.ttft_p95 for f in figs if f.samples >= g.min_samples and f.ttft_p95 > 0]
+        values = [f.ttft_p95 for f in figs if f.samples >= g.min_samples and _ok(f.ttft_p95)]
     return (sum(values) / len(values) if values else None), len(values)
 
 
@@ -158,6 +162,11 @@ def held(r: Rollout) -> frozenset[str]:
         c.board for c in r.checks
         if c.wave == latest and c.verdict == "fail" and not ({c.metric, "all"} & off)
     )  # fmt: skip
+
+
+def _ok(value: float) -> bool:
+    """A figure to count: positive and finite (a device's NaN or inf never masks the others)."""
+    return 0 < value < math.inf
 
 
 def halting(r: Rollout) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sqlite3
 from pathlib import Path
 
@@ -143,6 +144,18 @@ def test_each_gate_fails_on_its_own_metric_alone(metric: str) -> None:
 def test_just_under_each_threshold_passes() -> None:
     slightly = figs(NEW, nll=2.59, decode_p50=17.1, ttft_p95=499.0, errors=5)
     assert judge(rollout(2), updated(slightly)).decision == "pass"
+
+
+def test_a_device_s_non_finite_figures_are_not_counted() -> None:
+    """One device reporting inf or NaN decode speed cannot mask another's slow one."""
+    heard = {"d0": runs(figs(NEW, decode_p50=10.0)), "d1": runs(figs(NEW, decode_p50=math.inf))}
+    heard["d2"] = runs(figs(NEW, decode_p50=math.nan, ttft_p95=math.inf, nll=math.nan))
+    j = judge(rollout(3), heard | {"p0": runs(figs())})
+    assert verdicts(j)[("pi5/aarch64", "decode_tok_s")] == "fail"
+    check = next(c for c in j.checks if c.metric == "decode_tok_s")
+    assert (check.after, check.after_devices) == (10.0, 1)
+    nll = next(c for c in j.checks if c.metric == "nll")
+    assert (nll.after, nll.after_devices) == (2.5, 2)  # d2's NaN left out
 
 
 def test_gates_decide_per_board_class_and_name_it() -> None:
