@@ -12,7 +12,7 @@ from __future__ import annotations
 import ipaddress
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from agent.base.clock import SOURCES as CLOCK_SOURCES
@@ -26,6 +26,7 @@ from agent.config.fleet import MQTT_PROTOCOLS as MQTT_PROTOCOLS
 from agent.config.fleet import Broker as Broker
 from agent.config.fleet import FleetConfig as FleetConfig
 from agent.config.fleet import parse_broker as parse_broker
+from agent.config.window import SWITCH_KEYS, SwitchConfig, parse_switch
 
 DEFAULT_PATH = Path("/etc/edge-agent/agent.toml")
 DEFAULT_SOCKET = Path("/run/edge-agent/agent.sock")
@@ -81,6 +82,7 @@ UPDATES = (
     "min_free_bytes",
     "clock",
     "timesync_file",
+    *SWITCH_KEYS,
 )
 HTTP = (
     "listen",
@@ -183,6 +185,8 @@ class UpdatesConfig:
     # file or the kernel's NTP status; "trusted" = always (an RTC set by other means)
     clock: str = "auto"
     timesync_file: Path = Path("/run/systemd/timesync/synchronized")
+    # when to switch, the download's cap (window.py)
+    switch: SwitchConfig = field(default_factory=SwitchConfig)
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,6 +394,7 @@ def _parse_updates(t: Table) -> UpdatesConfig:
         min_free_bytes=t.size("min_free_bytes", 0, 1 << 40, d.min_free_bytes),
         clock=t.choice("clock", CLOCK_SOURCES) if "clock" in t.raw else d.clock,
         timesync_file=t.absolute_path("timesync_file") or d.timesync_file,
+        switch=parse_switch(t),
     )
 
 

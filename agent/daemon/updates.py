@@ -44,6 +44,9 @@ class DaemonUpdateHost:
         self._updater = updater
         self._config = config
         self._fleet = fleet
+        updater.switch.activity = self.activity  # what "idle" watches
+        if fleet is not None:
+            fleet.reporter.activation = updater.switch.activation  # shown in health
 
     def install_context(self, installed: ModelRef) -> InstallContext:
         plan = self._serving.plan
@@ -88,6 +91,16 @@ class DaemonUpdateHost:
             None, canary.expected_tokens, engine_model(e), canary_spec.prompt, len(want)
         )
         return None if got == want else f"greedy tokens {got} != expected {want}"
+
+    def activity(self) -> tuple[int, object]:
+        """Requests running or queued, and a token that changes whenever a session is used
+        (agent/ota/switch/gate.py): no engine (a reload) counts as running."""
+        e = self._serving.engine
+        if e is None or self._serving.state != "serving":
+            return 1, None
+        stats = e.stats()
+        used = tuple((s.id, s.last_used, s.tokens) for s in e.list_sessions(None))
+        return stats.active + stats.queue_depth, used
 
     def report(self, status: fpb.UpdateStatus, key: str = "") -> None:
         if self._fleet is not None:

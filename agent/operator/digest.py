@@ -95,6 +95,11 @@ class HealthInfo:
     arch: str = ""
     # the device says its wall clock is not synchronized: its updates wait before activating
     clock_unsynchronized: bool = False
+    # when a committed download may switch (Health.activation; docs/UPDATES.md)
+    switch_policy: str = ""  # "now" | "idle" | "window"
+    waiting_for: str = ""  # "" | "metered" | "idle" | "window" | "clock"
+    switch_window: str = ""
+    next_window_unix: float = 0.0
 
 
 class _Malformed(ValueError):
@@ -188,4 +193,8 @@ def health_info(m: pb.Health, device_id: str | None = None) -> HealthInfo:
         group=m.group,
         tags=tuple(m.tags),
         arch=m.arch,
+        switch_policy=m.activation.policy,
+        waiting_for=m.activation.waiting_for,
+        switch_window=m.activation.window,
+        next_window_unix=m.activation.next_window_unix,
     )

@@ -45,6 +45,12 @@ class InventoryRow:
     update_id: str = ""  # the last update's id
     update_to_version: str = ""  # ... and the version it was going to
     digest: str = ""  # agent.model.directory.model_digest of the serving model ("" from old agents)
+    # when a committed download may switch (docs/UPDATES.md "When to switch"): the policy in
+    # force, what it waits for ("" = nothing), the window and its next start (0 = unknown)
+    switch_policy: str = ""
+    waiting_for: str = ""
+    switch_window: str = ""
+    next_window_unix: float = 0.0
 
 
 def inventory(view: FleetView, group: str | None = None) -> dict[str, InventoryRow]:
@@ -79,6 +85,10 @@ def inventory_row(d: Device) -> InventoryRow:
         update_id=h.update_id if h else "",
         update_to_version=h.update_to_version if h else "",
         digest=digest,
+        switch_policy=h.switch_policy if h else "",
+        waiting_for=h.waiting_for if h else "",
+        switch_window=h.switch_window if h else "",
+        next_window_unix=h.next_window_unix if h else 0.0,
     )
 
 

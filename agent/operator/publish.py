@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -23,6 +23,7 @@ from typing import Final
 import paho.mqtt.client as mqtt
 from google.protobuf.message import DecodeError
 
+from agent.config.window import BadWindow, parse_window
 from agent.fleet.codec import PayloadError
 from agent.fleet.mqtt import MqttOptions, decode_message, outgoing
 from agent.fleet.topics import Topics, parse
@@ -71,6 +72,30 @@ def read_offer(bundle: Path) -> tuple[opb.SignedManifest, opb.Manifest, Payload]
     return signed, manifest, payload
 
 
+def switch_args(activate: str = "", allow_metered: bool = False) -> dict[str, str]:
+    """The update command's arguments for when devices switch (docs/UPDATES.md, "When to
+    switch"): `activate` "now" | "idle" | "window" (the device's) | "window:<cron> <duration>"
+    ("" = each device's `[updates] activate`); ValueError for a bad one, before anything is
+    sent. Carried beside the signed manifest: the rollout cannot change what is signed."""
+    args: dict[str, str] = {}
+    if activate:
+        name, _, spec = activate.partition(":")
+        if name not in ("now", "idle", "window") or (spec and name != "window"):
+            raise ValueError(
+                f"--activate {activate!r}: allowed: now, idle, window, window:<cron> <duration> "
+                '(e.g. "window:0 2 * * * 3h")'
+            )
+        if spec:
+            try:
+                parse_window(spec)
+            except BadWindow as exc:
+                raise ValueError(f"--activate {activate!r}: {exc}") from exc
+        args["activate"] = activate
+    if allow_metered:
+        args["allow_metered"] = "true"
+    return args
+
+
 def online_devices(opts: MqttOptions, prefix: str) -> list[str]:
     """Every device whose retained state says online."""
     view = watch(opts, prefix, once=True, settle_s=0.5, timeout_s=15.0, out=None)
@@ -93,8 +118,11 @@ class Offer:
         manifest: opb.Manifest,
         payload: Payload,
         on_status: StatusHook,
+        args: Mapping[str, str] | None = None,
     ) -> None:
+        """`args`: the update command's arguments (`switch_args`), the same for every device."""
         self.opts, self.prefix = opts, prefix
+        self.args = dict(args or {})
         self.signed, self.manifest, self.payload = signed, manifest, payload
         self.on_status = on_status
         self.requester = f"op-{secrets.token_hex(6)}"
@@ -121,7 +149,7 @@ class Offer:
         topics = Topics(self.prefix, device)
         reply = topics.response(self.requester)
         correlation = secrets.token_bytes(16)
-        cmd = fpb.Command(body=self.signed.SerializeToString())
+        cmd = fpb.Command(args=self.args, body=self.signed.SerializeToString())
         if not self.opts.v5:
             cmd.reply_topic, cmd.correlation = reply, correlation
         payload, props = outgoing(self.opts, cmd, response_topic=reply, correlation=correlation)
@@ -221,6 +249,7 @@ def publish_update(
     *,
     timeout_s: float = 600.0,
     on_status: Callable[[str, fpb.UpdateStatus], None] | None = None,
+    args: Mapping[str, str] | None = None,
 ) -> dict[str, Progress]:
     """Offer `bundle` to `devices` and follow them until each is final or `timeout_s` passes.
 
@@ -240,7 +269,7 @@ def publish_update(
         if on_status is not None:
             on_status(device, status)
 
-    offer = Offer(opts, prefix, signed, manifest, payload, record)
+    offer = Offer(opts, prefix, signed, manifest, payload, record, args)
     deadline = time.monotonic() + timeout_s
 
     def on_message(msg: mqtt.MQTTMessage) -> None:

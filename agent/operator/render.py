@@ -277,6 +277,13 @@ def _update_cell(r: InventoryRow, now: float) -> str:
     return f"{r.update_phase.lower()} {r.update_to_version}".strip() if r.update_phase else "-"
 
 
+def _switch_cell(r: InventoryRow, now: float) -> str:
+    """The switch policy, and what a committed download waits for: "idle: waits for idle"."""
+    if not r.waiting_for:
+        return r.switch_policy if r.switch_policy not in ("", "now") else "-"
+    return f"{r.switch_policy}: waits for {r.waiting_for}"
+
+
 def _presence_cell(r: InventoryRow, now: float) -> str:
     return "?" if r.presence is Presence.UNKNOWN else str(r.presence)
 
@@ -294,6 +301,7 @@ INVENTORY_COLUMNS: Final[tuple[_Column[InventoryRow], ...]] = (
     _Column("AGENT", 3, lambda r, now: r.agent_version or "-"),
     _Column("STATE", 99, _presence_cell),
     _Column("UPDATE", 2, _update_cell),
+    _Column("SWITCH", 2, _switch_cell, max_width=28, hide_empty=True),
     _Column("SEEN", 9, lambda r, now: age(now - r.last_seen_unix), right=True),
 )
 SHORT_SHA: Final = 12
@@ -336,6 +344,10 @@ def inventory_json(rows: Mapping[str, InventoryRow], now: float) -> list[dict[st
             "update_phase": r.update_phase,
             "update_id": r.update_id,
             "update_to_version": r.update_to_version,
+            "switch_policy": r.switch_policy,
+            "waiting_for": r.waiting_for,
+            "switch_window": r.switch_window,
+            "next_window_unix": r.next_window_unix,
         }
         for r in (rows[k] for k in sorted(rows))
     ]

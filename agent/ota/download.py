@@ -18,6 +18,7 @@ from agent.ota.fetch import BlockSource, DownloadFailed, RateLimit, fetch_blocks
 from agent.ota.interrupt import Interrupt
 from agent.ota.reports import Reports
 from agent.ota.store import Store
+from agent.ota.switch.throttle import Throttle, throttle
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ async def download(
     manifest's window only on a synchronized clock), is cancelled, is given up on or does not
     match."""
     part = store.payload_path(m.update_id)
+    cap = throttle(config.switch.max_download_bytes_s)  # one rate across attempts
     limit = RateLimit(config.progress_interval_s)
 
     def progress(have: int) -> None:
@@ -53,7 +55,7 @@ async def download(
         check_times()
         before = _size(part)
         try:
-            await asyncio.to_thread(_fetch, m, part, progress, blocks, interrupt.stop)
+            await asyncio.to_thread(_fetch, m, part, progress, blocks, interrupt.stop, cap)
             break
         except DownloadFailed as exc:
             interrupt.check()
@@ -93,11 +95,12 @@ def _fetch(
     progress: Callable[[int], None],
     blocks: BlockSource | None,
     stop: threading.Event,
+    cap: Throttle | None,
 ) -> None:
     if m.payload_url:
-        fetch_http(m.payload_url, part, m.payload_size, progress, stop)
+        fetch_http(m.payload_url, part, m.payload_size, progress, stop, cap)
     elif blocks is not None:
-        fetch_blocks(blocks, m.update_id, part, m.payload_size, progress, stop)
+        fetch_blocks(blocks, m.update_id, part, m.payload_size, progress, stop, cap=cap)
     else:
         raise UpdateRejected("no_transport", "no payload URL and no fleet link")
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import BinaryIO, Protocol
 
 from agent.base.errors import AgentError
+from agent.ota.switch.throttle import Throttle
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,16 @@ def _append(f: BinaryIO, data: bytes, have: int, total: int) -> int:
     return have + len(data)
 
 
-def fetch_http(url: str, dest: Path, total: int, progress: Progress, stop: threading.Event) -> None:
-    """Fetch `url` into `dest` until it holds `total` bytes, resuming from what it holds."""
+def fetch_http(
+    url: str,
+    dest: Path,
+    total: int,
+    progress: Progress,
+    stop: threading.Event,
+    cap: Throttle | None = None,
+) -> None:
+    """Fetch `url` into `dest` until it holds `total` bytes, resuming from what it holds
+    (at most `cap`'s rate)."""
     f, have = _open_part(dest, total)
     try:
         if have == total:
@@ -96,13 +105,15 @@ def fetch_http(url: str, dest: Path, total: int, progress: Progress, stop: threa
                 )
             while not stop.is_set():
                 try:
-                    data = resp.read(CHUNK)
+                    data = resp.read(cap.read_size(CHUNK) if cap else CHUNK)
                 except (OSError, http.client.HTTPException) as exc:
                     raise DownloadFailed(f"GET {url}: {exc}") from exc
                 if not data:
                     break
                 have = _append(f, data, have, total)
                 progress(have)
+                if cap is not None:
+                    cap.wait(len(data), stop)
             if have == total and resp.read(1):
                 raise PayloadTooLarge(f"{url} sends more than the declared {total} bytes")
     finally:
@@ -119,12 +130,14 @@ def fetch_blocks(
     progress: Progress,
     stop: threading.Event,
     timeout_s: float = 10.0,
+    cap: Throttle | None = None,
 ) -> None:
-    """Ask for blocks from where `dest` ends until it holds `total` bytes."""
+    """Ask for blocks from where `dest` ends until it holds `total` bytes (at most `cap`'s
+    rate)."""
     f, have = _open_part(dest, total)
     try:
         while have < total and not stop.is_set():
-            want = min(BLOCK, total - have)
+            want = min(cap.read_size(BLOCK) if cap else BLOCK, total - have)
             block = source.fetch_block(
                 opb.BlockRequest(update_id=update_id, offset=have, length=want), timeout_s
             )
@@ -141,6 +154,8 @@ def fetch_blocks(
                 raise DownloadFailed(f"empty block at offset {have}")
             have = _append(f, block.data, have, total)
             progress(have)
+            if cap is not None:
+                cap.wait(len(block.data), stop)
             if have % (16 * BLOCK) == 0:
                 f.flush()
                 os.fsync(f.fileno())

@@ -9,10 +9,12 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.base.errors import AgentError
 from agent.base.fsutil import atomic_write_bytes, make_dirs
 from agent.model.directory import load_model_dir, sha256_file
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
@@ -112,6 +114,22 @@ class Store:
         )
 
     # ------------------------------------------------------------------ record
+
+    def usable(
+        self, inst: Installed, shipped: ModelRef, refused: Callable[[str], None]
+    ) -> ModelRef:
+        """At a start: the installed model if its files check out, else the last good one or
+        the shipped one (pointed at, `refused` told why); AgentError when none is usable."""
+        problem = inst.current.verify()
+        if problem is None:
+            return inst.current
+        log.error("the active model is not what was installed: %s", problem)
+        for fallback in (inst.last_good, shipped if inst.current != shipped else None):
+            if fallback is not None and fallback.verify() is None:
+                self.switch(Installed(fallback, None, inst.finished))
+                refused(f"active model refused: {problem}")
+                return fallback
+        raise AgentError(f"no usable model: {problem}")
 
     def record(self) -> opb.UpdateRecord | None:
         try:

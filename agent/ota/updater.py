@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 from agent.base.clock import Clock, Stopwatch
@@ -27,6 +27,7 @@ from agent.ota.interrupt import Interrupt
 from agent.ota.reports import Reports, manifest_of
 from agent.ota.staging import stage
 from agent.ota.store import Installed, ModelRef, Store
+from agent.ota.switch.gate import Switch
 from agent.ota.timing import Timing
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
@@ -73,6 +74,8 @@ class Updater:
         self.reports = Reports(self.installed)
         self.cleanup = Cleanup(self.store, self.installed)
         self.timing = Timing(self.clock, self.reports, self.interrupt)
+        # when a committed download may switch, and the download's link (switch/)
+        self.switch = Switch(config, self.clock, self.interrupt, self.reports, store)
         # why boot could not write (a full disk) and what serves instead: no update moves
         self.held: tuple[str, ModelRef] | None = None
 
@@ -128,20 +131,9 @@ class Updater:
                 inst = self._rollback_pointer(rec, reason)
         if self.store.installed() is None:  # never updated: the engine checks its sha256
             return self.shipped
-        problem = inst.current.verify()
-        if problem is None:
-            return inst.current
-        log.error("the active model is not what was installed: %s", problem)
-        good = inst.last_good
-        if good is not None and good.verify() is None:
-            self.store.switch(Installed(good, None, inst.finished))
-            self.reports.text(fpb.UpdateStatus.ROLLED_BACK, f"active model refused: {problem}")
-            return good
-        if inst.current != self.shipped and self.shipped.verify() is None:
-            self.store.switch(Installed(self.shipped, None, inst.finished))
-            self.reports.text(fpb.UpdateStatus.ROLLED_BACK, f"active model refused: {problem}")
-            return self.shipped
-        raise AgentError(f"no usable model: {problem}")
+        return self.store.usable(
+            inst, self.shipped, lambda why: self.reports.text(Phase.ROLLED_BACK, why)
+        )
 
     def _rollback_pointer(
         self, rec: opb.UpdateRecord, reason: str, report: bool = True
@@ -190,8 +182,11 @@ class Updater:
             log.info("update %s: resuming in state %s", manifest_of(rec).update_id, name)
             self._start(rec)
 
-    async def offer(self, signed_bytes: bytes) -> fpb.UpdateStatus:
-        """The fleet's update command: verify and check the manifest, record it, start."""
+    async def offer(
+        self, signed_bytes: bytes, args: Mapping[str, str] | None = None
+    ) -> fpb.UpdateStatus:
+        """The fleet's update command: verify and check the manifest and the command's
+        arguments (`activate`, `allow_metered`: switch/policy.py), record them, start."""
         try:
             signed = opb.SignedManifest.FromString(signed_bytes)
         except Exception as exc:
@@ -220,6 +215,7 @@ class Updater:
             ctx = self.host.install_context(inst.current)
             manifest.check(m, ctx, now)
             space.check(m, self.store, self.config.min_free_bytes, ctx.cache_dir)
+            activate, allow_metered = self.switch.check_offer(args or {})
         except manifest.UpdateRejected as exc:
             return self.reports.rejected(m.update_id, exc.code, exc.message, m)
         rec = R(
@@ -230,6 +226,8 @@ class Updater:
             previous_model_dir=inst.current.model_dir,
             from_version=inst.current.label or str(inst.current.version),
             attempt=space.attempt(busy, m),
+            activate=activate,
+            allow_metered=allow_metered,
         )
         self.store.save(rec)
         crash_point(UNREPORTED + "received")
@@ -315,6 +313,7 @@ class Updater:
         self._enter(rec, R.DOWNLOADING, "downloading")
 
     async def _download(self, rec: opb.UpdateRecord, m: opb.Manifest) -> None:
+        await self.switch.before_download(rec, m)
         await download(
             rec,
             m,
@@ -334,6 +333,7 @@ class Updater:
     async def _activate(self, rec: opb.UpdateRecord, m: opb.Manifest) -> None:
         assert self.host is not None
         if rec.state == R.STAGED:  # the last decisions before the new model loads
+            await self.switch.before_activation(rec, m)
             await self.timing.before_activation(rec, m)
             cache_dir = self.host.install_context(self.installed().current).cache_dir
             space.check_activation(m, cache_dir, self.config.min_free_bytes)

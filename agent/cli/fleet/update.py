@@ -51,7 +51,7 @@ def status_json(device: str, st: pb.UpdateStatus) -> dict[str, Any]:
 
 def cmd_fleet_publish_update(args: argparse.Namespace) -> int:
     from agent.operator.link import FleetError
-    from agent.operator.publish import online_devices, publish_update, read_offer
+    from agent.operator.publish import online_devices, publish_update, read_offer, switch_args
     from agent.ota.artifact.bundle import BundleError
 
     try:
@@ -64,7 +64,8 @@ def cmd_fleet_publish_update(args: argparse.Namespace) -> int:
         for d in args.device:
             _device_id(d)
         read_offer(Path(args.bundle))  # a bad bundle is refused before anything is sent
-    except (_Usage, BundleError) as exc:
+        command_args = switch_args(args.activate, args.allow_metered)
+    except (_Usage, BundleError, ValueError) as exc:
         return _fail(str(exc))
 
     def show(device: str, st: pb.UpdateStatus) -> None:
@@ -79,7 +80,13 @@ def cmd_fleet_publish_update(args: argparse.Namespace) -> int:
             print(f"edge-agent: no online devices under {prefix}", file=sys.stderr)
             return EXIT_FAILED
         result = publish_update(
-            opts, prefix, Path(args.bundle), devices, timeout_s=args.timeout, on_status=show
+            opts,
+            prefix,
+            Path(args.bundle),
+            devices,
+            timeout_s=args.timeout,
+            on_status=show,
+            args=command_args,
         )
     except FleetError as exc:
         print(f"edge-agent: {exc}", file=sys.stderr)
@@ -140,6 +147,24 @@ def cmd_fleet_cancel_update(args: argparse.Namespace) -> int:
     return 0 if ok else EXIT_FAILED
 
 
+def add_switch_args(p: argparse.ArgumentParser) -> None:
+    """--activate and --allow-metered (also `fleet rollout start`'s: pass them to
+    `agent.operator.publish.switch_args`)."""
+    p.add_argument(
+        "--activate",
+        default="",
+        metavar="POLICY",
+        help="when devices switch to the downloaded model: now, idle, window (the device's) or "
+        '"window:CRON DURATION", e.g. "window:0 2 * * * 3h" (default: each device\'s '
+        "[updates] activate)",
+    )
+    p.add_argument(
+        "--allow-metered",
+        action="store_true",
+        help="download on devices whose link is metered ([updates] metered = true)",
+    )
+
+
 def add_update_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``publish-update`` and ``cancel-update`` to the ``fleet`` command's subparsers."""
     p = sub.add_parser(
@@ -159,6 +184,7 @@ def add_update_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         help="one JSON object per line: each status ({device, update_id, phase, reason_code, "
         "message, ...}), then {summary: {devices, committed, last}}",
     )
+    add_switch_args(p)
     _connection_args(p)
     p.set_defaults(func=cmd_fleet_publish_update)
 

@@ -48,7 +48,10 @@ class FleetBackend(Protocol):
 
     def reload(self) -> Awaitable[fpb.ReloadDone]: ...
 
-    def offer_update(self, signed: bytes) -> Awaitable[fpb.UpdateStatus]: ...
+    def offer_update(self, signed: bytes) -> Awaitable[fpb.UpdateStatus]:
+        """The daemon's also takes the command's arguments, `offer_update(signed, args)`
+        (`activate`, `allow_metered`: docs/UPDATES.md "When to switch"); a backend without
+        them (the fleet simulator's) is offered updates whose command has none."""
 
     def cancel_update(self, signed: bytes) -> Awaitable[fpb.UpdateStatus]:
         """The update's status once the cancel has ended it; InvalidRequest if refused."""
@@ -178,6 +181,7 @@ class FleetAgent:
             now=time.time(),
             labels=self.labels,
             probes=self.reporter.probes,
+            activation=self.reporter.activation(),
         )
 
     def record(self, event: fpb.Event) -> None:
@@ -277,7 +281,9 @@ class FleetAgent:
     async def _update(self, command: fpb.Command) -> fpb.CommandResponse:
         """The body is a SignedManifest: answered once it is verified and recorded (or
         rejected); every later transition is reported on <prefix>/<device>/update/status."""
-        status = await self._backend.offer_update(command.body)
+        args = dict(command.args)  # when to switch (agent/ota/switch/policy.py)
+        offer = self._backend.offer_update
+        status = await (offer(command.body, args) if args else offer(command.body))  # type: ignore[call-arg]
         ok = status.phase == fpb.UpdateStatus.RECEIVED
         code = Code.OK if ok else Code.INVALID_ARGUMENT
         return Code(code=code, message=status.message, update=status)

@@ -149,9 +149,11 @@ def build_health(
     now: float,
     labels: Labels = Labels(),
     probes: Probes = no_probes,
+    activation: fpb.Activation | None = None,
 ) -> fpb.Health:
     """Domain → wire: the Health message for this moment (`now`: unix time); `probes` gives
-    each model's latest quality probe, put into `run.probe` and `previous.probe`."""
+    each model's latest quality probe, put into `run.probe` and `previous.probe`;
+    `activation`: when a committed download may switch (the updater's, agent/ota/switch)."""
     e = status.engine
     msg = fpb.Health(
         seq=seq,
@@ -203,6 +205,8 @@ def build_health(
         msg.clock.CopyFrom(
             fpb.Clock(synchronized=status.clock.synchronized, source=status.clock.source)
         )
+    if activation is not None:
+        msg.activation.CopyFrom(activation)
     if status.run is not None:
         msg.run.CopyFrom(run_message(status.run))
     else:  # not reported: the model alone, so that its probe has a key
@@ -274,6 +278,7 @@ def changes(prev: fpb.Health | None, new: fpb.Health) -> list[str]:
         "update": _update(p) != _update(n),
         "over budget": _over_budget(p.memory) != _over_budget(n.memory),
         "clock": p.clock.synchronized != n.clock.synchronized,
+        "activation": _waiting(p) != _waiting(n),
     }
     return [name for name, hit in rules.items() if hit]
 
@@ -281,6 +286,10 @@ def changes(prev: fpb.Health | None, new: fpb.Health) -> list[str]:
 def significant_change(prev: fpb.Health | None, new: fpb.Health) -> bool:
     """Whether `new` must go out now rather than wait for the heartbeat (see `changes`)."""
     return bool(changes(prev, new))
+
+
+def _waiting(h: fpb.Health) -> tuple[str, str]:
+    return h.activation.update_id, h.activation.waiting_for
 
 
 def _temp_band(t: fpb.Thermal) -> int:
@@ -332,6 +341,8 @@ class HealthReporter:
         self.session = session
         self.labels = labels
         self.probes = probes
+        # when a committed download may switch: the daemon sets the updater's
+        self.activation: Callable[[], fpb.Activation | None] = lambda: None
         self.interval_s = interval_s
         self.min_interval_s = min_interval_s
         self.seq = 0  # of the last returned message
@@ -366,6 +377,7 @@ class HealthReporter:
             now=now,
             labels=self.labels,
             probes=self.probes,
+            activation=self.activation(),
         )
         for name in changes(self.last, health):
             if name not in self._pending:

@@ -165,6 +165,7 @@ def health(
         last_update=last_update,
         now=now,
         labels=Labels("kitchen", ("lab", "rack=3"), "aarch64"),
+        activation=fpb.Activation(policy="idle", waiting_for="idle", update_id="u-1"),
     )
 
 
