@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from agent import __version__
@@ -68,7 +67,9 @@ class Daemon:
         self.overrides = overrides
         self.config = apply_overrides(load_config(overrides.config_path), overrides)
         self.notifier = notifier or Notifier.from_env()
-        self._serving = Serving(self._load, lambda: self.config.limits.reload_drain_s)
+        self._serving = Serving(
+            self._load, lambda: self.config.limits.reload_drain_s, self._engine_drained
+        )
         self._requests = Requests()
         self._started = time.monotonic()
         self._last_status = ""
@@ -95,11 +96,9 @@ class Daemon:
         """Ask for a reload (as SIGHUP does); the future resolves when it has finished."""
         return self._requests.reload()
 
-    async def offer_update(
-        self, signed: bytes, args: Mapping[str, str] | None = None
-    ) -> fpb.UpdateStatus:
+    async def offer_update(self, signed: bytes) -> fpb.UpdateStatus:
         assert self._updater is not None
-        return await self._updater.offer(signed, args)
+        return await self._updater.offer(signed)
 
     async def cancel_update(self, signed: bytes) -> fpb.UpdateStatus:
         assert self._updater is not None
@@ -299,6 +298,11 @@ class Daemon:
         if self._fleet is not None:
             self._fleet.tick()
         self._observe_runs()
+
+    def _engine_drained(self, engine: Engine) -> None:
+        """A replaced engine's last counts, once it has drained (on the drain's thread)."""
+        if self._runs is not None:
+            self._runs.drained(engine.serial, engine.stats())
 
     def _observe_runs(self) -> None:
         """The serving engine's counters into the run record, saved now and then."""
