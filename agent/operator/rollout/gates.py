@@ -52,6 +52,10 @@ def judge(
     overridden = {o.metric for o in r.overrides}
     waited_out = now >= wave.settled_unix + g.wait_s  # for samples
     lag_out = now >= wave.settled_unix + r.spec.wave_timeout_s  # for a committed device's health
+    peers: dict[str, list[tuple[str, DeviceRuns]]] = {}  # devices on another model, by class
+    for i, x in runs.items():
+        if x.run is not None and x.run.sha256 != target and x.board in boards:
+            peers.setdefault(x.board, []).append((i, x))
     checks: list[Check] = []
     for board, ids in sorted(boards.items()):
         measured = [runs[i] for i in ids if i in runs and runs[i].run is not None]
@@ -63,10 +67,7 @@ def judge(
         lagging = len(measured) - len(after)  # committed, but no health of the target yet
         before = [x.previous for x in measured if x.previous and x.previous.sha256 != target]
         mine = set(ids)
-        before += [
-            x.run for i, x in runs.items()
-            if x.board == board and i not in mine and x.run is not None and x.run.sha256 != target
-        ]  # fmt: skip
+        before += [x.run for i, x in peers.get(board, ()) if i not in mine and x.run is not None]
         for metric, threshold in g.thresholds:
             c = _check(g, metric, threshold, before, after, lag_out or not lagging)
             c = dataclasses.replace(c, wave=r.wave, board=board)
