@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from agent import __version__
@@ -96,9 +97,11 @@ class Daemon:
         """Ask for a reload (as SIGHUP does); the future resolves when it has finished."""
         return self._requests.reload()
 
-    async def offer_update(self, signed: bytes) -> fpb.UpdateStatus:
+    async def offer_update(
+        self, signed: bytes, args: Mapping[str, str] | None = None
+    ) -> fpb.UpdateStatus:
         assert self._updater is not None
-        return await self._updater.offer(signed)
+        return await self._updater.offer(signed, args)
 
     async def cancel_update(self, signed: bytes) -> fpb.UpdateStatus:
         assert self._updater is not None
