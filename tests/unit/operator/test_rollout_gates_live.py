@@ -167,7 +167,8 @@ def test_a_worse_model_halts_at_wave_1_naming_the_gate_and_offers_nothing_beyond
         rep = run_rollout(opts(broker), store, rid)
         assert rep.state == "halted" and rep.waves[0].state == "halted"
         assert f"wave 1: gate failed: {gate} on pi5/aarch64" in rep.reason
-        assert len(boards.offered()) == 1  # wave 1 is one device of ten; nobody beyond it
+        assert rep.offered == 1  # wave 1 is one device of ten; nobody beyond it ...
+        assert len(boards.offered()) == 1  # ... as the boards saw it too
         assert [c.verdict for c in rep.checks if c.metric == gate] == ["fail"]
         assert {c.verdict for c in rep.checks if c.metric != gate} == {"pass"}
     finally:
