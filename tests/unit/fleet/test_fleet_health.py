@@ -30,6 +30,7 @@ from agent.fleet.device.health import (
 )
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.runtime.plan import MemoryPlan
+from agent.status.runs import ModelRun
 from agent.status.value import AgentStatus
 
 MIB = 1 << 20
@@ -308,9 +309,11 @@ def test_disk_never_raises_on_odd_paths(tmp_path: Path, name: str) -> None:
 def test_build_health_fills_every_field() -> None:
     update = update_status()
     therm = thermal(65.5, throttled_since_boot=True)
-    h = health(seq=42, therm=therm, last_update=update, now=1712345678.25)
+    runs = {"run": ModelRun("ab" * 32, requests=3), "previous": ModelRun("cd" * 32)}
+    h = health(agent_status(**runs), seq=42, therm=therm, last_update=update, now=1712345678.25)
 
     assert {f.name for f, _ in h.ListFields()} == {f.name for f in fpb.Health.DESCRIPTOR.fields}
+    assert (h.run.requests, h.previous.model.sha256) == (3, "cd" * 32)  # test_health_runs.py
     assert (h.seq, h.session, h.device_id, h.timestamp_unix) == (42, 7, "pi-kitchen", 1712345678.25)
     assert (h.group, list(h.tags), h.arch) == ("kitchen", ["lab", "rack=3"], "aarch64")
     assert (h.agent_state, h.agent_version, h.profile, h.uptime_s) == (
