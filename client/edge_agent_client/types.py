@@ -121,6 +121,27 @@ class Percentiles:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelFigures:
+    """How one model serves on this device since its activation (kept across restarts)."""
+
+    sha256: str
+    version: str
+    name: str
+    quantization: str
+    activated_unix: float
+    requests: int  # requests that ran to an end (finished, failed or cancelled)
+    errors: Mapping[str, int]  # "nonfinite" | "constraint" | "timeout" | "internal"
+    cancelled: int
+    ttft_ms: Percentiles
+    decode_tok_s: Percentiles
+    prefill_tok_s: Percentiles
+    samples: int  # requests behind the percentiles (the most recent, bounded)
+    restarts: int
+    crashes: int
+    peak_rss_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class Status:
     profile: str
     version: str
@@ -148,6 +169,9 @@ class Status:
     # whether the agent knows its wall clock is right (update validity windows wait for it)
     clock_synchronized: bool
     clock_source: str  # "timesyncd", "kernel", "trusted" or "" while unsynchronized
+    # the serving model's figures and the model's before it; None when not known
+    run: ModelFigures | None
+    previous: ModelFigures | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +211,17 @@ def model_info(message: Any) -> ModelInfo:
     return plain(ModelInfo, message, kv=kv_tiers(message.kv))
 
 
+def model_figures(message: Any) -> ModelFigures:
+    return plain(
+        ModelFigures,
+        message,
+        errors=dict(message.errors),
+        ttft_ms=plain(Percentiles, message.ttft_ms),
+        decode_tok_s=plain(Percentiles, message.decode_tok_s),
+        prefill_tok_s=plain(Percentiles, message.prefill_tok_s),
+    )
+
+
 def status(message: Any) -> Status:
     return plain(
         Status,
@@ -194,6 +229,8 @@ def status(message: Any) -> Status:
         ttft_ms=plain(Percentiles, message.ttft_ms),
         decode_tok_s=plain(Percentiles, message.decode_tok_s),
         kv=kv_tiers(message.kv),
+        run=model_figures(message.run) if message.HasField("run") else None,
+        previous=model_figures(message.previous) if message.HasField("previous") else None,
     )
 
 

@@ -69,8 +69,8 @@ SCRIPT = r"""
 import asyncio, dataclasses, json, re, sys, time
 import edge_agent_client
 from edge_agent_client import (
-    AsyncClient, Chunk, Client, Completion, InvalidArgument, Message, ModelInfo, NotFound,
-    SessionInfo, Status,
+    AsyncClient, Chunk, Client, Completion, InvalidArgument, Message, ModelFigures, ModelInfo,
+    NotFound, SessionInfo, Status,
 )
 from edge_agent_client import types
 from edge_agent_client.pb.edge_agent.v1 import agent_pb2 as pb
@@ -87,7 +87,7 @@ out = {"version": edge_agent_client.__version__}
 for cls, message in [
     (types.Stats, pb.RequestStats), (types.KVTiers, pb.KVTiers), (types.ModelInfo, pb.ModelInfo),
     (types.Status, pb.AgentStatus), (types.SessionInfo, pb.SessionInfo),
-    (types.Percentiles, pb.Percentiles),
+    (types.Percentiles, pb.Percentiles), (types.ModelFigures, pb.ModelFigures),
 ]:
     names = [f.name for f in dataclasses.fields(cls)]
     assert names == [f.name for f in message.DESCRIPTOR.fields], (cls, names)
@@ -105,6 +105,9 @@ with Client(sock, key="app-one") as c:
     out["model"] = info.name
     st = c.status()
     assert isinstance(st, Status) and st.state == "serving", st
+    # the serving model's own figures; a first start has no model before it
+    assert isinstance(st.run, ModelFigures) and st.run.sha256 == info.sha256, st.run
+    assert st.previous is None and isinstance(st.run.errors, dict)
     ids = c.tokenize("def f():")
     assert isinstance(ids, tuple) and ids
     assert c.detokenize(ids) == "def f():"

@@ -65,6 +65,10 @@ INVENTORY_KEYS = {
     "update_phase",
     "update_id",
     "update_to_version",
+    "switch_policy",
+    "waiting_for",
+    "switch_window",
+    "next_window_unix",
 }
 
 
@@ -504,6 +508,8 @@ def test_inventory_takes_each_field_from_the_newer_half() -> None:
     h.model.name, h.model.version, h.model.quantization, h.model.sha256 = "m", "1.1", "int8", "cd"
     h.last_update.phase, h.last_update.update_id = pb.UpdateStatus.COMMITTED, "u-7"
     h.agent_version, h.arch = "0.9.1", "armv7l"
+    h.activation.policy, h.activation.waiting_for = "window", "window"
+    h.activation.window, h.activation.next_window_unix = "0 3 * * *", 3600.0
     view.update("p/d2/health", h.SerializeToString(), 102.0, retained=True)
 
     rows = inventory(view)
@@ -528,6 +534,11 @@ def test_inventory_takes_each_field_from_the_newer_half() -> None:
     doc = inventory_json(rows, 200.0)
     assert [set(d) for d in doc] == [INVENTORY_KEYS] * 2
     assert doc[0]["last_seen_age_s"] == 100.0 and doc[1]["tags"] == []
+    assert (doc[0]["switch_policy"], doc[0]["waiting_for"]) == ("", "")
+    assert (doc[1]["switch_policy"], doc[1]["waiting_for"], doc[1]["switch_window"]) == (
+        "window", "window", "0 3 * * *"
+    )  # fmt: skip
+    assert doc[1]["next_window_unix"] == 3600.0
     # the watch table hides GROUP for a fleet without groups
     plain = FleetView("p")
     plain.update("p/d9/state", State(state=State.ONLINE, session=1).SerializeToString(), 1.0)
