@@ -167,7 +167,7 @@ def cmd_rollout_start(args: argparse.Namespace) -> int:
 
 def cmd_rollout_resume(args: argparse.Namespace) -> int:
     from agent.operator.rollout import gates, plan
-    from agent.operator.rollout.figures import check_metric
+    from agent.operator.rollout.figures import Override, check_metric
     from agent.operator.rollout.run import load_rollout
     from agent.operator.rollout.state import FINAL_STATES, RolloutError
 

@@ -8,8 +8,9 @@ a good one completes; an override resumes the halted one and is recorded in the 
 
 from __future__ import annotations
 
-import json
+import getpass
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -24,7 +25,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 from agent.config.file import parse_broker
 from agent.fleet.mqtt import MqttOptions
 from agent.operator.publish import read_offer
-from agent.operator.rollout.figures import DEFAULT_THRESHOLDS, Gates, Override
+from agent.operator.rollout.figures import DEFAULT_THRESHOLDS, Gates
+from agent.operator.rollout.report import report
 from agent.operator.rollout.run import create_rollout, load_rollout, run_rollout
 from agent.operator.rollout.state import State, Target, parse_waves
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as pb
@@ -206,19 +208,27 @@ def test_an_override_resumes_a_halted_rollout_and_is_recorded(
                                text=True, env=env, cwd=ROOT, timeout=120)  # fmt: skip
         assert plain.returncode == 2 and plain.stderr.count("\n") == 1, plain.stderr
         assert "--override-gate decode_tok_s --reason TEXT" in plain.stderr
-        ask = (Override("decode_tok_s", "slower but within the SLA", "op@lab", 0.0, 0),)
+        (tmp_path / "agent.toml").write_text("")
+        resume = [*status[:5], "resume", *status[6:], "--broker", broker.url, "--config",
+                  str(tmp_path / "agent.toml")]  # fmt: skip
+        refused = subprocess.run([*resume, "--override-gate", "decode_tok_s"], capture_output=True,
+                                 text=True, env=env, cwd=ROOT, timeout=120)  # fmt: skip
+        assert refused.returncode == 2 and "needs --reason" in refused.stderr, refused.stderr
         before = time.time()
-        rep = run_rollout(opts(broker), store, rid, resume=True, override=ask)
-        assert rep.state == "completed", rep.reason
+        why = "slower but within the SLA"
+        argv = [*resume, "--override-gate", "decode_tok_s", "--reason", why]
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT,
+                              timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert "override of gate decode_tok_s at wave 1 by " in done.stdout
         assert boards.offered() == boards.devices and set(boards.commands.values()) == {1}
         kept = load_rollout(store, rid)
         assert kept.state == State.COMPLETED and len(kept.overrides) == 1
         o = kept.overrides[0]
-        assert (o.metric, o.reason, o.who, o.wave) == ("decode_tok_s", ask[0].reason, "op@lab", 0)
-        assert o.at_unix >= before
-        shown = subprocess.run([*status, "--json"], capture_output=True, text=True, env=env,
-                               cwd=ROOT, timeout=120)  # fmt: skip
-        doc = json.loads(shown.stdout)
+        who = f"{getpass.getuser()}@{socket.gethostname()}"
+        assert (o.metric, o.reason, o.who, o.wave) == ("decode_tok_s", why, who, 0)
+        assert before <= o.at_unix <= time.time()
+        doc = report(kept).to_json()  # what `status --json` prints
         assert doc["overrides"][0]["reason"] == "slower but within the SLA"
         assert {c["verdict"] for c in doc["checks"] if c["metric"] == "decode_tok_s"} == {
             "overridden"
