@@ -1,4 +1,5 @@
-"""The engine's stop path and its fault-injected stall, mixed into `Engine`.
+"""The engine's stop path, its fault-injected stall and `run_idle` (the engine thread held
+while something else uses the runner between requests), mixed into `Engine`.
 
 A stop refuses new requests; waiting ones run too (a model switch: nothing is dropped) or,
 when the daemon stops, are refused at once (`handle.refused`); running ones may finish within
@@ -12,6 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from agent.base.errors import Unavailable
 from agent.engine.request import Prepared, unstarted_stats
@@ -24,6 +27,9 @@ log = logging.getLogger("agent.engine.engine")  # the engine's lines keep one lo
 
 STOPPING_REFUSED = "the agent is stopping; the request had not started: send it again later"
 STOPPING_CUT = "the agent is stopping; the request was cut at the drain deadline"
+IDLE_POLL_S = 0.05  # `run_idle` looks again this often while requests run
+
+T = TypeVar("T")
 
 
 class Stopping:
@@ -61,6 +67,27 @@ class Stopping:
     def end_stall(self) -> None:
         """Fault injection for tests: end an injected stall; the thread goes on at once."""
         self._unstall.set()
+
+    def run_idle(self, fn: Callable[[], T], wait_s: float = 0.0) -> T | None:
+        """`fn()` on the calling thread while no request runs or waits and the engine thread is
+        held (it waits for the lock), or None if that did not come within `wait_s` or the
+        engine is stopping. For work on the runner beside the requests (the quality probe):
+        keep `fn` short, a request arriving meanwhile waits for it."""
+        deadline = time.monotonic() + wait_s
+        with self._cv:
+            while self._sched.busy or self._stall > 0:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stopping or self._closed:
+                    return None
+                self._cv.wait(min(left, IDLE_POLL_S))
+            if self._stopping or self._closed:
+                return None
+            return fn()
+
+    @property
+    def stopping(self) -> bool:
+        """A stop has begun: the engine takes no more requests (nor `run_idle` work)."""
+        return self._stopping or self._closed
 
     @property
     def stalled(self) -> bool:
