@@ -26,6 +26,7 @@ from agent.config.fleet import MQTT_PROTOCOLS as MQTT_PROTOCOLS
 from agent.config.fleet import Broker as Broker
 from agent.config.fleet import FleetConfig as FleetConfig
 from agent.config.fleet import parse_broker as parse_broker
+from agent.config.probe import PROBE, ProbeConfig, parse_probe
 from agent.config.window import SWITCH_KEYS, SwitchConfig, parse_switch
 
 DEFAULT_PATH = Path("/etc/edge-agent/agent.toml")
@@ -44,6 +45,7 @@ TOP = (
     "updates",
     "http",
     "quotas",
+    "probe",
 )
 SERVER = (
     "socket",
@@ -242,6 +244,7 @@ class AgentConfig:
     updates: UpdatesConfig = UpdatesConfig()
     http: HttpConfig = HttpConfig()
     quotas: QuotasConfig = QuotasConfig()
+    probe: ProbeConfig = ProbeConfig()
 
 
 def check_tcp(source: str, key: str, value: str, allow_remote: bool) -> str:
@@ -372,8 +375,10 @@ def parse_config(data: Mapping[str, object], source: str) -> AgentConfig:
             session_bytes_per_client=qt.optional_integer("session_bytes_per_client", 1, None),
             waiting_per_client=qt.optional_integer("waiting_per_client", 1, 4096),
         )
+    pt = top.table("probe", PROBE, required=False)
+    probe = parse_probe(pt) if pt is not None else d.probe
     return AgentConfig(
-        source, server, limits, model, log, watchdog, sessions, fleet, updates, http, quotas
+        source, server, limits, model, log, watchdog, sessions, fleet, updates, http, quotas, probe
     )
 
 

@@ -40,12 +40,14 @@ from agent.daemon.plan import (
     state_dir,
     with_update,
 )
+from agent.daemon.probe import Prober
 from agent.daemon.serving import Serving
 from agent.daemon.signals import Requests
 from agent.daemon.updates import DaemonUpdateHost
 from agent.engine.engine import Engine
 from agent.engine.stats import ModelInfo
 from agent.fleet.device.agent import FleetAgent, resolve_device_id
+from agent.fleet.device.health import no_probes
 from agent.ota.store import Store
 from agent.ota.updater import Updater
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
@@ -77,6 +79,7 @@ class Daemon:
         self._fleet: FleetAgent | None = None
         self._updater: Updater | None = None
         self._http: HttpServer | None = None  # the OpenAI-compatible API, beside gRPC
+        self._prober: Prober | None = None  # the quality probe (agent.daemon.probe)
         self._runs: RunBook | None = None  # how each model runs here (agent.status.runs)
         self.metrics = Metrics(self._scrape)  # one for the daemon's life: rpc and http report
 
@@ -175,6 +178,7 @@ class Daemon:
         base = load_plan(self.config, self.overrides)
         self._updater = Updater(Store(base.state_dir), self.config.updates, shipped_ref(base))
         self._updater.boot()
+        self._prober = Prober(lambda: self.config.probe, base.state_dir)
         plan = s.plan = with_update(base, self._updater)
         self.notifier.status(f"loading {plan.model_dir.name} on {plan.profile.name}")
         engine = s.engine = await self._load(plan)
@@ -209,7 +213,8 @@ class Daemon:
         )
         self._start_fleet()
         self._updater.blocks = self._fleet.link if self._fleet is not None else None
-        self._updater.attach(DaemonUpdateHost(s, self._updater, lambda: self.config, self._fleet))
+        host = DaemonUpdateHost(s, self._updater, lambda: self.config, self._fleet, self._prober)
+        self._updater.attach(host)
         await self._updater.resume()
         self.notifier.ready(self._status_line())
         try:
@@ -240,7 +245,10 @@ class Daemon:
         device = resolve_device_id(fleet)
         loop = asyncio.get_running_loop()
         state, min_free = self._serving.plan.state_dir, self.config.updates.min_free_bytes
-        self._fleet = FleetAgent(fleet, device, state, self, loop, min_free_bytes=min_free)
+        probes = self._prober.latest if self._prober is not None else no_probes
+        self._fleet = FleetAgent(
+            fleet, device, state, self, loop, min_free_bytes=min_free, probes=probes
+        )
         self._fleet.start()
 
     async def _load(self, plan: Plan) -> Engine:
@@ -300,6 +308,8 @@ class Daemon:
             self.notifier.status(line)
         if self._fleet is not None:
             self._fleet.tick()
+        if self._prober is not None:
+            self._prober.tick(e if self._serving.state == "serving" else None)
         self._observe_runs()
 
     def _engine_drained(self, engine: Engine) -> None:
@@ -367,6 +377,8 @@ class Daemon:
         s.state = "stopping"
         if self._updater is not None:
             self._updater.stop()
+        if self._prober is not None:  # a probe under way gives way at its next step
+            await loop.run_in_executor(None, self._prober.stop)
         timeout = self.config.limits.drain_timeout_s
         self.notifier.stopping(f"stopping: draining in-flight requests (up to {timeout:g} s)")
         await server.set_serving(False)

@@ -1,6 +1,7 @@
 """The daemon's side of an update (`agent.ota.host.UpdateHost`): what the updater checks a
 bundle against, activating an installed model (its canary run before it serves), checking the
-model that serves, reporting to the fleet and pruning the weight cache.
+model that serves (and waiting for its quality probe in the trial), reporting to the fleet and
+pruning the weight cache.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from agent import __version__
 from agent.config.file import AgentConfig
 from agent.daemon.canary import engine_model
 from agent.daemon.plan import open_plan_model
+from agent.daemon.probe import Prober
 from agent.daemon.serving import Serving
 from agent.fleet.device.agent import FleetAgent
 from agent.ota import canary
@@ -39,8 +41,10 @@ class DaemonUpdateHost:
         updater: Updater,
         config: Callable[[], AgentConfig],
         fleet: FleetAgent | None,
+        prober: Prober | None = None,
     ) -> None:
         self._serving = serving
+        self._prober = prober
         self._updater = updater
         self._config = config
         self._fleet = fleet
@@ -84,23 +88,27 @@ class DaemonUpdateHost:
         age = e.heartbeat_age()
         if age >= self._config().watchdog.engine_stall_s:
             return f"the engine thread has not answered for {age:.1f} s"
+        loop = asyncio.get_running_loop()
+        if self._prober is not None:  # the new model's probe runs in its trial
+            await loop.run_in_executor(None, self._prober.settle, e)
         if canary_spec is None or not canary_spec.expected_tokens:
             return None
         want = list(canary_spec.expected_tokens)
-        got = await asyncio.get_running_loop().run_in_executor(
+        got = await loop.run_in_executor(
             None, canary.expected_tokens, engine_model(e), canary_spec.prompt, len(want)
         )
         return None if got == want else f"greedy tokens {got} != expected {want}"
 
     def activity(self) -> tuple[int, object]:
-        """Requests running or queued, and a token that changes whenever a session is used
-        (agent/ota/switch/gate.py): no engine (a reload) counts as running."""
+        """Requests running or queued, and a token that changes whenever a request ran or a
+        session was used (agent/ota/switch/gate.py: a request that came and went between two
+        looks counts too); no engine (a reload) counts as running."""
         e = self._serving.engine
         if e is None or self._serving.state != "serving":
             return 1, None
         stats = e.stats()
         used = tuple((s.id, s.last_used, s.tokens) for s in e.list_sessions(None))
-        return stats.active + stats.queue_depth, used
+        return stats.active + stats.queue_depth, (stats.requests_total, used)
 
     def report(self, status: fpb.UpdateStatus, key: str = "") -> None:
         if self._fleet is not None:

@@ -1,0 +1,69 @@
+"""The quality probe in a real daemon (docs/FLEET.md, Quality probe): the shipped model is
+probed at start and its figures reach health; an update's trial waits for the new model's probe
+before it commits, under the same probe id (the answers stay the shipped model's)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from agent.fleet.topics import Topics
+from agent.model.directory import load_model_dir
+from agent.operator.publish import publish_update
+from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
+from tests.support.broker import Mosquitto
+from tests.system.test_fleet_link import PREFIX, Observer, options
+from tests.system.test_updates import (  # noqa: F401  (fixtures)
+    Models,
+    Phase,
+    broker,
+    bundle,
+    models,
+    start,
+    trusted,
+)
+
+LIMIT_S = 120.0  # a safety net: each wait below ends on an event
+
+
+def _health_with_probe(watch: Observer, device: str, sha256: str) -> fpb.Health:
+    topic = Topics(PREFIX, device).health
+
+    def hit(s) -> bool:  # type: ignore[no-untyped-def]
+        if s.topic != topic:
+            return False
+        h = fpb.Health.FromString(s.payload)
+        return h.run.model.sha256 == sha256 and h.run.HasField("probe")
+
+    return fpb.Health.FromString(watch.wait(hit, timeout=LIMIT_S).payload)
+
+
+def test_the_probe_runs_at_start_and_in_the_trial(
+    models: Models,  # noqa: F811
+    trusted: Path,  # noqa: F811
+    broker: Mosquitto,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    base = load_model_dir(models.base).variant("int8").sha256
+    new = load_model_dir(models.new).variant("int8").sha256
+    path = bundle(models, tmp_path)
+    watch = Observer(broker, "probe-watch")
+    d = start(tmp_path, models, broker, trusted, "dev-probe")
+    try:
+        d.wait_log(f"probe: {load_model_dir(models.base).name} {base[:12]} nll", LIMIT_S)
+        before = _health_with_probe(watch, "dev-probe", base).run.probe
+        assert before.runs == 1 and before.canary_agreement == 1.0 and before.nll_tokens > 100
+        result = publish_update(options(broker), PREFIX, path, ["dev-probe"], timeout_s=LIMIT_S)
+        assert result["dev-probe"].status.phase == Phase.COMMITTED
+        log = d.read_log()
+        probed = log.find(f"probe: {load_model_dir(models.new).name} {new[:12]} nll")
+        committed = log.find("COMMITTED")
+        assert 0 <= probed < committed, log[-3000:]
+        after = _health_with_probe(watch, "dev-probe", new).run.probe
+        assert after.probe_id == before.probe_id  # the shipped model's answers still
+        assert after.nll_tokens == before.nll_tokens and 0 < after.nll_per_token < 20
+        saved = json.loads((tmp_path / "state" / "probe" / "results.json").read_text())
+        assert set(saved) == {base, new}
+    finally:
+        assert d.stop() == 0, d.read_log()
+        watch.close()
