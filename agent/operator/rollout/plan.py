@@ -150,6 +150,14 @@ def over_threshold(spec: Spec, t: Tally) -> bool:
     return t.finished >= spec.min_devices and t.rate > spec.max_failure_rate
 
 
+def certain_over(spec: Spec, t: Tally, pending: int) -> bool:
+    """Over the threshold even if each of the `pending` devices (in flight, or failed and
+    offered again) commits: waiting for them (a stalled device: the whole wave timeout) cannot
+    change the verdict on the devices offered so far."""
+    best = dataclasses.replace(t, finished=t.finished + pending)
+    return pending > 0 and over_threshold(spec, best)
+
+
 def _fail(d: Device, reason: str, message: str, now: float) -> Device:
     return dataclasses.replace(
         d, status=Status.FAILED, reason=reason, message=message, final_unix=now
@@ -247,7 +255,15 @@ def step(
         )
     state: State = r.state
     reason, halts, index, skipped, checks = r.reason, r.halts, r.wave, r.skipped, r.checks
-    if offers or waiting or any(d.status in IN_FLIGHT for d in devs.values()):
+    in_flight = sum(d.status in IN_FLIGHT for d in devs.values())
+    pending = in_flight + sum(d.status == Status.RETRY for d in devs.values())
+    if not (offers or waiting) and certain_over(spec, tally(devs.values()), pending):
+        # decided already: the rollout halts now; its devices in flight go on (`status` and a
+        # resume hear them), the wave timeout of a stalled one is not waited for
+        state = State.HALTED
+        reason = halt_reason(r.wave, spec, tally(devs.values()), pending)
+        halts = (*halts, reason)
+    elif offers or waiting or in_flight:
         wave = dataclasses.replace(wave, settled_unix=0.0)
     else:
         mine = [d for d in devs.values() if d.wave == r.wave and d.attempt >= 1]
@@ -294,8 +310,16 @@ def step(
     return new, tuple(offers)
 
 
-def halt_reason(index: int, spec: Spec, t: Tally) -> str:
+def halt_reason(index: int, spec: Spec, t: Tally, pending: int = 0) -> str:
+    """Why the failure threshold halted the rollout; `pending`: devices not final yet that
+    could not bring the rate under it (`certain_over`)."""
     reasons = ", ".join(f"{why} {n}" for why, n in t.reasons)
+    if pending:
+        return (
+            f"wave {index + 1}: {t.failed} of {t.finished} finished devices failed, over "
+            f"{spec.max_failure_rate:.1%} even if the {pending} not final yet commit "
+            f"({t.failed / (t.finished + pending):.1%}); reasons: {reasons}"
+        )
     return (
         f"wave {index + 1}: {t.failed} of {t.finished} finished devices failed "
         f"({t.rate:.1%} > {spec.max_failure_rate:.1%}, at least {spec.min_devices} finished)"

@@ -297,6 +297,40 @@ def test_it_halts_at_the_first_wave_over_the_threshold_and_offers_nothing_more()
     assert rep.waves[1].failed_by_reason == (("rolled_back", 8),)
 
 
+def test_a_wave_whose_verdict_is_certain_halts_without_waiting_for_devices_in_flight() -> None:
+    ids = [f"d{i:02d}" for i in range(20)]
+    seen = online(ids)
+    r = plan.create(spec(waves=(1.0,), max_failure_rate=0.2, min_devices=5), T0)
+    r, sent = plan.step(r, seen, T0)
+    assert len(sent) == 20
+    # 4 rejected, 12 committed, 4 still downloading: 4/20 = 20% is not over 20% if all four
+    # commit, so the wave waits for them
+    for i, d in enumerate(sent):
+        phase = "REJECTED" if i < 4 else "COMMITTED" if i < 16 else "DOWNLOADING"
+        r = plan.learn(r, d, ok(phase), T0 + 1)
+    r, _ = plan.step(r, seen, T0 + 2)
+    assert r.state == State.RUNNING
+    # a fifth failure: 5/20 = 25% even if the other three commit - halted now, long before
+    # the wave timeout (100 s) of the ones in flight, which stay in flight
+    r = plan.learn(r, sent[16], ok("ROLLED_BACK"), T0 + 3)
+    r, more = plan.step(r, seen, T0 + 4)
+    assert r.state == State.HALTED and more == ()
+    assert r.reason == (
+        "wave 1: 5 of 17 finished devices failed, over 20.0% even if the 3 not final yet "
+        "commit (25.0%); reasons: rejected 4, rolled_back 1"
+    )
+    assert [r.device(d).status for d in sent[17:]] == [Status.IN_PROGRESS] * 3  # type: ignore[union-attr]
+    # nothing is certain while the wave has devices to offer: 1 of 1 finished failed, one in
+    # flight (50% at best, min_devices 2), but 18 more came online
+    r = plan.create(spec(waves=(1.0,), max_failure_rate=0.2, min_devices=2), T0)
+    r, sent = plan.step(r, online(ids[:2]), T0)
+    r = plan.learn(r, sent[0], ok("REJECTED"), T0 + 1)
+    r, more = plan.step(r, online(ids), T0 + 2)
+    assert r.state == State.RUNNING and len(more) == 18
+    r, more = plan.step(r, online(ids), T0 + 3)  # 1 of 20 at worst: it waits for them
+    assert r.state == State.RUNNING and more == ()
+
+
 def test_the_threshold_waits_for_min_devices() -> None:
     ids = [f"d{i:02d}" for i in range(20)]
     order = plan.ordered("r1", ids)
