@@ -72,6 +72,14 @@ INVENTORY_KEYS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def wide_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tables fit the terminal (shutil.get_terminal_size reads COLUMNS first): the checks below
+    read every column, whatever terminal, pipe or test worker runs them."""
+    monkeypatch.setenv("COLUMNS", "160")
+    monkeypatch.setenv("LINES", "50")
+
+
 def config(group: str, tags: tuple[str, ...]) -> str:
     return (
         "[fleet]\nhealth_interval_s = 1\nhealth_min_interval_s = 0.2\n"
