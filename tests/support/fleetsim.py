@@ -523,10 +523,15 @@ class _SimUpdater(Updater):
 
 
 class _Observer:
-    """Follows every device's retained state (one client, QoS 1)."""
+    """Follows the retained state of this simulator's devices (one client, QoS 1). Only its
+    own: with several simulator processes, each following every device's state made the
+    broker send each birth to every one of them, and mosquitto drops what a client has not
+    taken past `max_queued_messages` (1,000): at 10,000 devices a shard never saw births it
+    waited for."""
 
-    def __init__(self, opts: MqttOptions, prefix: str) -> None:
+    def __init__(self, opts: MqttOptions, prefix: str, device_ids: Sequence[str]) -> None:
         self._prefix = prefix
+        self._device_ids = tuple(device_ids)
         self._cv = threading.Condition()
         self.states: dict[str, tuple[int, int]] = {}  # device -> (kind, session)
         self._client = new_client(
@@ -542,7 +547,7 @@ class _Observer:
             raise AgentError(f"fleetsim: cannot subscribe at {b.url()}")
 
     def _on_connect(self, client: mqtt.Client, _u: Any, _f: Any, rc: Any, _p: Any) -> None:
-        client.subscribe(f"{self._prefix}/+/state", qos=1)
+        client.subscribe([(f"{self._prefix}/{d}/state", 1) for d in self._device_ids])
         client.on_subscribe = lambda *_a: self._subscribed.set()
 
     def _on_message(self, _c: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
@@ -599,7 +604,7 @@ class FleetSim:
         self.held: frozenset[str] = frozenset()  # devices whose activation waits for release()
         self._released = threading.Event()
         self.tick_s = tick_s
-        self.loop_s = loop_s  # each link's network poll (None: the daemon's, 0.1 s)
+        self.loop_s = loop_s  # each link's longest poll (None: the link's own)
         self.batch = batch
         self.shipped = shipped if isinstance(shipped, ModelRef) else model_ref(shipped)
         self.fleet = FleetConfig(
@@ -643,7 +648,9 @@ class FleetSim:
         machine and several times that beside other work."""
         t0 = time.monotonic()
         self._thread.start()
-        self._observer = _Observer(MqttOptions.from_config(self.fleet), self.prefix)
+        self._observer = _Observer(
+            MqttOptions.from_config(self.fleet), self.prefix, list(self._devices)
+        )
         self._ticker = asyncio.run_coroutine_threadsafe(self._tick_forever(), self._loop)
         deadline = time.monotonic() + timeout_s
         todo = [rt for rt in self._devices.values() if rt.spec.start_online]
