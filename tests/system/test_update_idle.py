@@ -7,7 +7,6 @@ real mosquitto, real gRPC sessions; idleness is driven by the traffic, not by sl
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 from agent.operator.client import send
@@ -29,13 +28,7 @@ DEVICE = "dev-idle"
 
 def _daemon(tmp: Path, models, trusted, broker, idle_s: float) -> Daemon:  # type: ignore[no-untyped-def]
     text = test_updates.config(trusted) + f'activate = "idle"\nidle_s = {idle_s}\n'
-    seen = Observer(broker, f"birth-{DEVICE}-{time.monotonic_ns()}")
-    d = Daemon(tmp, models.base, text, args=("--broker", broker.url, "--device-id", DEVICE))
-    try:
-        seen.state(DEVICE, fpb.DeviceState.ONLINE)
-    finally:
-        seen.close()
-    return d
+    return test_updates.start(tmp, models, broker, trusted, DEVICE, text=text)  # type: ignore[no-any-return]
 
 
 def _waiting_for(watch: Observer) -> str:

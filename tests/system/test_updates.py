@@ -142,13 +142,15 @@ def config(trusted: Path, trial_s: float = 1.0) -> str:
 
 def start(tmp: Path, models: Models, broker: Mosquitto, trusted: Path, device: str, **env):  # type: ignore[no-untyped-def]
     """A daemon for `device`, returned once its birth is on the broker: commands sent before
-    a device ever subscribed are not delivered (no session exists for it yet)."""
+    a device ever subscribed are not delivered (no session exists for it yet). `text`: its
+    whole agent.toml (default: `config(trusted, trial_s)`)."""
     wait_online = env.pop("wait_online", True)
+    text = env.pop("text", None) or config(trusted, env.pop("trial_s", 1.0))
     seen = Observer(broker, f"birth-{device}-{time.monotonic_ns()}")
     d = Daemon(
         tmp,
         models.base,
-        config(trusted, env.pop("trial_s", 1.0)),
+        text,
         env={k: str(v) for k, v in env.items()},
         args=("--broker", broker.url, "--device-id", device),
     )

@@ -41,13 +41,7 @@ def _daemon(tmp: Path, models: Models, broker, trusted: Path, device: str, **upd
     for key, value in updates.items():
         lines = [ln for ln in text.splitlines() if not ln.startswith(f"{key} =")]
         text = "\n".join(lines) + f"\n{key} = {value}\n"
-    seen = Observer(broker, f"birth-{device}-{time.monotonic_ns()}")
-    d = Daemon(tmp, models.base, text, args=("--broker", broker.url, "--device-id", device))
-    try:
-        seen.state(device, fpb.DeviceState.ONLINE)
-    finally:
-        seen.close()
-    return d
+    return test_updates.start(tmp, models, broker, trusted, device, text=text)  # type: ignore[no-any-return]
 
 
 def _short_server(models: Models, tmp: Path, version: int, short: int):  # type: ignore[no-untyped-def]
