@@ -22,8 +22,8 @@ from agent.operator.rollout.figures import (
     gates_to_json,
     override_to_json,
 )
-from agent.operator.rollout.plan import tally
 from agent.operator.rollout.state import Rollout, State, Status
+from agent.operator.rollout.threshold import tally
 
 
 @dataclass(frozen=True, slots=True)
