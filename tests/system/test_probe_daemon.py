@@ -55,9 +55,10 @@ def test_the_probe_runs_at_start_and_in_the_trial(
         assert before.runs == 1 and before.canary_agreement == 1.0 and before.nll_tokens > 100
         result = publish_update(options(broker), PREFIX, path, ["dev-probe"], timeout_s=LIMIT_S)
         assert result["dev-probe"].status.phase == Phase.COMMITTED
+        d.wait_log(": COMMITTED: ", LIMIT_S)  # logged just after the report that ended the wait
         log = d.read_log()
         probed = log.find(f"probe: {load_model_dir(models.new).name} {new[:12]} nll")
-        committed = log.find("COMMITTED")
+        committed = log.find(": COMMITTED: ")
         assert 0 <= probed < committed, log[-3000:]
         after = _health_with_probe(watch, "dev-probe", new).run.probe
         assert after.probe_id == before.probe_id  # the shipped model's answers still
