@@ -33,6 +33,7 @@ from agent.base.errors import (
     AgentError,
     InvalidRequest,
     Overloaded,
+    Unavailable,
     grpc_status_name,
 )
 from agent.config.file import AgentConfig
@@ -142,12 +143,22 @@ class AgentService:
         sink = pipe.put if metrics is None else _counted(pipe.put, metrics)
         try:
             _check(request)
-            engine = self._backend.engine()
-            domain = to_request(request, engine, self._max_tokens, self.owner(context))
-            tools = ToolReader.of(domain, engine)  # a chat with tools: read its calls at the end
-            timeout = context.time_remaining()
-            # submit compiles a constraint and tokenizes: a worker thread's work, not the loop's
-            handle = await _submit_off_loop(lambda: engine.submit(domain, sink, timeout=timeout))
+            for again in (False, True):
+                engine = self._backend.engine()
+                domain = to_request(request, engine, self._max_tokens, self.owner(context))
+                tools = ToolReader.of(domain, engine)  # a chat with tools: its calls at the end
+                timeout = context.time_remaining()
+                try:
+                    # submit compiles a constraint and tokenizes: a worker thread's work
+                    handle = await _submit_off_loop(
+                        lambda: engine.submit(domain, sink, timeout=timeout)  # noqa: B023
+                    )
+                    break
+                except Unavailable:
+                    # a reload or an update switched models between the look and the submit:
+                    # the old engine refuses, so once more on the one that serves now
+                    if again or self._backend.engine() is engine:
+                        raise
         except AgentError as exc:
             log.info("generate refused: %s", exc)
             if metrics is not None:

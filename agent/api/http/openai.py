@@ -206,20 +206,31 @@ class Api:
 
     async def chat(self, request: Request) -> Response:
         body = await self._body(request)
-        engine = self._backend.engine()
-        parsed = convert.chat_request(body, engine, self._max_tokens, self._owner(request))
-        return await self._generate(request, engine, parsed, chat=True)
+        return await self._generate(request, body, convert.chat_request, chat=True)
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
-        engine = self._backend.engine()
-        parsed = convert.completion_request(body, engine, self._max_tokens, self._owner(request))
-        return await self._generate(request, engine, parsed, chat=False)
+        return await self._generate(request, body, convert.completion_request, chat=False)
+
+    async def _on_current(
+        self, request: Request, body: Any, parse: Callable[..., convert.Parsed]
+    ) -> tuple[Engine, convert.Parsed, RequestHandle, EventPipe[TokenEvent]]:
+        """Parse and submit on the engine serving now; once more if a reload or an update
+        switched models between the look and the submit (the old engine refuses)."""
+        for again in (False, True):
+            engine = self._backend.engine()
+            parsed = parse(body, engine, self._max_tokens, self._owner(request))
+            try:
+                return (engine, parsed, *await self._submit(engine, parsed))
+            except Unavailable:
+                if again or self._backend.engine() is engine:
+                    raise
+        raise AssertionError("unreachable")
 
     async def _generate(
-        self, request: Request, engine: Engine, parsed: convert.Parsed, *, chat: bool
+        self, request: Request, body: Any, parse: Callable[..., convert.Parsed], *, chat: bool
     ) -> Response:
-        handle, events = await self._submit(engine, parsed)
+        engine, parsed, handle, events = await self._on_current(request, body, parse)
         model = engine.info.name
         created = int(time.time())
         if parsed.stream:
