@@ -53,8 +53,8 @@ from agent.ota.updater import Updater
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from agent.status.metrics import Metrics
-from agent.status.runs import RunBook
-from agent.status.value import AgentStatus, rss_bytes
+from agent.status.runs import ModelRun, RunBook
+from agent.status.value import AgentStatus, ProbeFigures, rss_bytes
 from agent.systemd.notify import Notifier
 
 if TYPE_CHECKING:
@@ -142,7 +142,14 @@ class Daemon:
             clock=self._updater.clock.state() if self._updater is not None else None,
             run=run,
             previous=previous,
+            probe=self._probe_of(run),
+            previous_probe=self._probe_of(previous),
         )
+
+    def _probe_of(self, run: ModelRun | None) -> ProbeFigures | None:
+        if run is None or self._prober is None:
+            return None
+        return self._prober.figures(run.sha256)
 
     def _scrape(self) -> AgentStatus | None:
         """What a metrics scrape reads: the status and the last update's phase, read from the

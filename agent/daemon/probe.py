@@ -32,6 +32,7 @@ from agent.ota import probe as qp
 from agent.ota.canary import Model, Step
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.runtime.runner import KVCache
+from agent.status.value import ProbeFigures
 
 log = logging.getLogger("agent.daemon")  # the daemon's lines keep one logger name
 
@@ -129,6 +130,23 @@ class Prober:
         with self._lock:
             result = (self._results or {}).get(sha256)
         return to_message(result) if result is not None else None
+
+    def figures(self, sha256: str) -> ProbeFigures | None:
+        """`latest` for GetStatus and /metrics (agent.status.value.ProbeFigures)."""
+        with self._lock:
+            r = (self._results or {}).get(sha256)
+        if r is None:
+            return None
+        return ProbeFigures(
+            probe_id=r.probe_id,
+            nll_per_token=r.nll_per_token,
+            nll_tokens=r.nll_tokens,
+            canary_agreement=r.canary_agreement,
+            canary_tokens=r.canary_tokens,
+            measured_unix=r.measured_unix,
+            runs=r.runs,
+            cpu_s=r.cpu_s,
+        )
 
     def tick(self, engine: Engine | None) -> None:
         """Start a probe when one is due: the serving model has none yet (patient: it waits

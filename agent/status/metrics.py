@@ -36,7 +36,7 @@ from prometheus_client.registry import Collector
 
 from agent.engine.types import FINISH_REASONS, TokenEvent
 from agent.status.runs import ModelRun
-from agent.status.value import AgentStatus
+from agent.status.value import AgentStatus, ProbeFigures
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,8 @@ class _StatusCollector(Collector):
             yield from _tiers(s)
         if s.run is not None:
             yield from _run(s.run)
+            if s.probe is not None:
+                yield from _probe(s.run, s.probe)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -343,6 +345,43 @@ def _run(r: ModelRun) -> Iterator[Metric]:
         g.add_metric((*model, "0.5"), p.p50 * scale)
         g.add_metric((*model, "0.95"), p.p95 * scale)
         yield g
+
+
+def _probe(r: ModelRun, p: ProbeFigures) -> Iterator[Metric]:
+    """The serving model's latest quality probe (docs/FLEET.md, "Quality probe"), labelled by
+    model and probe id: figures compare only under the same probe id."""
+    labels = (*MODEL_LABELS, "probe_id")
+    values = (r.sha256, r.version, p.probe_id)
+    for cls, name, doc, value in (
+        (
+            GaugeMetricFamily,
+            "edge_agent_model_probe_nll_per_token",
+            "Mean negative log-likelihood (nats/token) of the probe text (+Inf: non-finite logits)",
+            p.nll_per_token,
+        ),
+        (
+            GaugeMetricFamily,
+            "edge_agent_model_probe_canary_agreement_ratio",
+            "Share of canary answer tokens predicted greedily as the base model answered",
+            p.canary_agreement,
+        ),
+        (CounterMetricFamily, "edge_agent_model_probes", "Probes run on this model", p.runs),
+        (
+            GaugeMetricFamily,
+            "edge_agent_model_probe_cpu_seconds",
+            "CPU seconds the last probe took",
+            p.cpu_s,
+        ),
+        (
+            GaugeMetricFamily,
+            "edge_agent_model_probe_timestamp_seconds",
+            "When the last probe was measured",
+            p.measured_unix,
+        ),
+    ):
+        m = cls(name, doc, labels=labels)
+        m.add_metric(values, value)
+        yield m
 
 
 def _state(name: str, doc: str, states: tuple[str, ...], current: str) -> StateSetMetricFamily:

@@ -11,6 +11,22 @@ from agent.status.runs import ModelRun
 
 
 @dataclass(frozen=True, slots=True)
+class ProbeFigures:
+    """A model's latest quality probe on this device (docs/FLEET.md, "Quality probe"): the
+    status side of `agent.ota.probe.Result`, which the daemon converts (status imports no ota).
+    Figures compare only under the same `probe_id`."""
+
+    probe_id: str
+    nll_per_token: float  # mean NLL (nats/token) of the probe text; inf: non-finite logits
+    nll_tokens: int
+    canary_agreement: float  # share (0..1) of canary answer tokens predicted as the base did
+    canary_tokens: int
+    measured_unix: float
+    runs: int  # probes of this model under this probe id
+    cpu_s: float  # CPU seconds the last probe took
+
+
+@dataclass(frozen=True, slots=True)
 class AgentStatus:
     """Everything GetStatus reports, taken at one moment."""
 
@@ -35,6 +51,9 @@ class AgentStatus:
     # (agent.status.runs; None: not reported / no previous model on this device)
     run: ModelRun | None = None
     previous: ModelRun | None = None
+    # each of those models' latest quality probe (None: not probed yet / not reported)
+    probe: ProbeFigures | None = None
+    previous_probe: ProbeFigures | None = None
 
 
 def rss_bytes() -> int:

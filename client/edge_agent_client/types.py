@@ -121,8 +121,23 @@ class Percentiles:
 
 
 @dataclass(frozen=True, slots=True)
+class ProbeFigures:
+    """A model's latest quality probe on this device; compare figures only under one probe_id."""
+
+    probe_id: str
+    nll_per_token: float  # mean negative log-likelihood (nats/token) of the probe text
+    nll_tokens: int
+    canary_agreement: float  # share (0..1) of canary answer tokens equal to the base's
+    canary_tokens: int
+    measured_unix: float
+    runs: int
+    cpu_s: float  # CPU seconds the last probe took
+
+
+@dataclass(frozen=True, slots=True)
 class ModelFigures:
-    """How one model serves on this device since its activation (kept across restarts)."""
+    """How one model serves on this device since its activation (kept across restarts), and
+    its latest quality probe (None until probed)."""
 
     sha256: str
     version: str
@@ -139,6 +154,7 @@ class ModelFigures:
     restarts: int
     crashes: int
     peak_rss_bytes: int
+    probe: ProbeFigures | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +235,7 @@ def model_figures(message: Any) -> ModelFigures:
         ttft_ms=plain(Percentiles, message.ttft_ms),
         decode_tok_s=plain(Percentiles, message.decode_tok_s),
         prefill_tok_s=plain(Percentiles, message.prefill_tok_s),
+        probe=plain(ProbeFigures, message.probe) if message.HasField("probe") else None,
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from agent.fleet.topics import Topics
 from agent.model.directory import load_model_dir
@@ -38,6 +39,29 @@ def _health_with_probe(watch: Observer, device: str, sha256: str) -> fpb.Health:
     return fpb.Health.FromString(watch.wait(hit, timeout=LIMIT_S).payload)
 
 
+def _status_has(d, sha256: str, probe: fpb.Probe) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """GetStatus shows model `sha256` serving with the probe figures health carried (the
+    probe is deterministic: a periodic probe in between gives the same figures, later)."""
+    c = d.client()
+    try:
+        st = c.status()
+    finally:
+        c.close()
+    assert st["run"]["sha256"] == sha256 and "probe" in st["run"], st
+    got = st["run"]["probe"]
+    assert (got["probe_id"], got["nll_per_token"], got["nll_tokens"]) == (
+        probe.probe_id,
+        probe.nll_per_token,
+        probe.nll_tokens,
+    )
+    assert (got["canary_agreement"], got["canary_tokens"]) == (
+        probe.canary_agreement,
+        probe.canary_tokens,
+    )
+    assert got["runs"] >= probe.runs and got["measured_unix"] >= probe.measured_unix
+    return st
+
+
 def test_the_probe_runs_at_start_and_in_the_trial(
     models: Models,  # noqa: F811
     trusted: Path,  # noqa: F811
@@ -52,6 +76,7 @@ def test_the_probe_runs_at_start_and_in_the_trial(
     try:
         d.wait_log(f"probe: {load_model_dir(models.base).name} {base[:12]} nll", LIMIT_S)
         before = _health_with_probe(watch, "dev-probe", base).run.probe
+        _status_has(d, base, before)
         assert before.runs == 1 and before.canary_agreement == 1.0 and before.nll_tokens > 100
         result = publish_update(options(broker), PREFIX, path, ["dev-probe"], timeout_s=LIMIT_S)
         assert result["dev-probe"].status.phase == Phase.COMMITTED
@@ -65,6 +90,9 @@ def test_the_probe_runs_at_start_and_in_the_trial(
         assert after.nll_tokens == before.nll_tokens and 0 < after.nll_per_token < 20
         saved = json.loads((tmp_path / "state" / "probe" / "results.json").read_text())
         assert set(saved) == {base, new}
+        st = _status_has(d, new, after)
+        assert st["previous"]["sha256"] == base, st
+        assert st["previous"]["probe"]["probe_id"] == before.probe_id, st
     finally:
         assert d.stop() == 0, d.read_log()
         watch.close()

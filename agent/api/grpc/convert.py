@@ -12,6 +12,8 @@ carries the calls it holds.
 
 from __future__ import annotations
 
+import dataclasses
+
 from agent.base.errors import InvalidRequest
 from agent.chat.template import ChatMessage, check_messages
 from agent.chat.toolcalls import Parsed, read_answer, reading_of
@@ -23,7 +25,7 @@ from agent.engine.stats import ModelInfo
 from agent.engine.types import GenerateRequest, SessionInfo, TierStats, TokenEvent
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from agent.status.runs import ModelRun
-from agent.status.value import AgentStatus
+from agent.status.value import AgentStatus, ProbeFigures
 from agent.wire.status import tiers_message
 
 FINISH = {
@@ -231,15 +233,16 @@ def status_message(st: AgentStatus) -> pb.AgentStatus:
     if st.clock is not None:
         msg.clock_synchronized, msg.clock_source = st.clock.synchronized, st.clock.source
     if st.run is not None:
-        msg.run.CopyFrom(figures_message(st.run))
+        msg.run.CopyFrom(figures_message(st.run, st.probe))
     if st.previous is not None:
-        msg.previous.CopyFrom(figures_message(st.previous))
+        msg.previous.CopyFrom(figures_message(st.previous, st.previous_probe))
     return msg
 
 
-def figures_message(r: ModelRun) -> pb.ModelFigures:
-    """Domain → wire: a model's figures since its activation (agent.status.runs)."""
-    return pb.ModelFigures(
+def figures_message(r: ModelRun, probe: ProbeFigures | None = None) -> pb.ModelFigures:
+    """Domain → wire: a model's figures since its activation (agent.status.runs) and its
+    latest quality probe."""
+    msg = pb.ModelFigures(
         sha256=r.sha256,
         version=r.version,
         name=r.name,
@@ -256,6 +259,9 @@ def figures_message(r: ModelRun) -> pb.ModelFigures:
         crashes=r.crashes,
         peak_rss_bytes=r.peak_rss_bytes,
     )
+    if probe is not None:
+        msg.probe.CopyFrom(pb.ProbeFigures(**dataclasses.asdict(probe)))
+    return msg
 
 
 def model_info_message(i: ModelInfo, tiers: TierStats) -> pb.ModelInfo:

@@ -24,7 +24,8 @@ from agent.engine.stats import EngineStats, ModelInfo, Percentiles
 from agent.engine.types import RequestStats, TierStats, TokenEvent
 from agent.runtime.plan import MemoryPlan
 from agent.status.metrics import Metrics
-from agent.status.value import AgentStatus
+from agent.status.runs import ModelRun
+from agent.status.value import AgentStatus, ProbeFigures
 
 MIB = 1 << 20
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -160,6 +161,28 @@ def test_every_status_figure_is_exported_with_its_type_and_labels() -> None:
     assert types["edge_agent_model_info"] == "gauge"
     assert types["edge_agent_state"] == "gauge"
     assert not any(name.endswith("_created") for name in types)  # no timestamp series
+
+
+def test_the_serving_models_probe_is_exported_by_model_and_probe_id() -> None:
+    run = ModelRun(sha256="cd" * 32, version="7")
+    probe = ProbeFigures(
+        probe_id="ef" * 32, nll_per_token=2.5, nll_tokens=180, canary_agreement=0.75,
+        canary_tokens=40, measured_unix=1.7e9, runs=3, cpu_s=0.31,
+    )  # fmt: skip
+    samples, types = scrape(Metrics(lambda: agent_status(run=run, probe=probe)))
+    labels = {"model_sha256": run.sha256, "model_version": "7", "probe_id": probe.probe_id}
+    assert value(samples, "edge_agent_model_probe_nll_per_token", **labels) == 2.5
+    assert value(samples, "edge_agent_model_probe_canary_agreement_ratio", **labels) == 0.75
+    assert value(samples, "edge_agent_model_probes_total", **labels) == 3
+    assert value(samples, "edge_agent_model_probe_cpu_seconds", **labels) == 0.31
+    assert value(samples, "edge_agent_model_probe_timestamp_seconds", **labels) == 1.7e9
+    assert types["edge_agent_model_probes"] == "counter"
+    # a model not probed yet has no probe series; non-finite logits show as +Inf
+    samples, _ = scrape(Metrics(lambda: agent_status(run=run)))
+    assert not any(n.startswith("edge_agent_model_probe") for n, _ in samples)
+    inf = dataclasses.replace(probe, nll_per_token=float("inf"))
+    samples, _ = scrape(Metrics(lambda: agent_status(run=run, probe=inf)))
+    assert value(samples, "edge_agent_model_probe_nll_per_token", **labels) == float("inf")
 
 
 def test_observe_counts_outcomes_tokens_and_latencies_per_api() -> None:
