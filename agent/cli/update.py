@@ -14,6 +14,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 from agent.base.errors import AgentError
 from agent.cli.common import _fail, parse_duration
@@ -134,9 +135,15 @@ def cmd_update_make(args: argparse.Namespace) -> int:
         return _fail("--no-canary and --canary-prompt: choose one")
     if args.canary_tokens is not None and not 1 <= args.canary_tokens <= 64:
         return _fail(f"--canary-tokens {args.canary_tokens}: allowed 1..64")
+    mender_opts = (args.mender_device_types, args.mender_artifact_name, args.mender_key)
+    if args.mender is None and any(mender_opts):
+        return _fail("--mender-device-type, --mender-artifact-name and --mender-key need --mender")
+    if args.mender is not None and not args.mender_device_types:
+        return _fail("--mender needs --mender-device-type (the devices' Mender device_type)")
     base_dir, new_dir, out = Path(args.base_dir), Path(args.new_dir), Path(args.output)
     try:
         keys = [load_private(Path(k)) for k in args.key]
+        mender = _mender_options(args)  # checked before anything is written
         canary = None if args.no_canary else _canary(args, base_dir, new_dir)
         make_bundle(
             base_dir,
@@ -154,10 +161,44 @@ def cmd_update_make(args: argparse.Namespace) -> int:
             quantization=args.quantization,
         )
         doc = inspect(out)
+        if mender is not None:
+            _write_mender(args, out, doc, *mender)
     except (AgentError, OSError) as exc:
         return _fail(str(exc))
     print(json.dumps(doc, indent=2) if args.json else describe(doc))
     return 0
+
+
+def _mender_options(args: argparse.Namespace) -> tuple[Any, Any] | None:
+    """--mender's (spec, signing key), checked; the spec's name is settled once the bundle is
+    made (its default names the model)."""
+    if args.mender is None:
+        return None
+    from agent.ota.mender.artifact import ArtifactSpec, load_signing_key
+
+    spec = ArtifactSpec(args.mender_artifact_name or "x", tuple(args.mender_device_types))
+    key = load_signing_key(Path(args.mender_key)) if args.mender_key else None
+    return spec, key
+
+
+def _write_mender(
+    args: argparse.Namespace, bundle: Path, doc: dict[str, Any], spec: Any, key: Any
+) -> None:
+    """The Mender Artifact carrying `bundle` (agent.ota.mender.artifact)."""
+    import dataclasses
+
+    from agent.ota.mender.artifact import write_artifact
+
+    m = doc["manifest"]
+    name = args.mender_artifact_name or f"{m['model_name']}-{m['version']}"
+    meta = (("update_id", m["update_id"]), ("version", m["version"]))
+    try:
+        write_artifact(
+            bundle, Path(args.mender), dataclasses.replace(spec, name=name, meta=meta), key
+        )
+    except BaseException:
+        bundle.unlink(missing_ok=True)  # this command made it: nothing half-done stays
+        raise
 
 
 def cmd_update_inspect(args: argparse.Namespace) -> int:
@@ -239,6 +280,30 @@ def add_update_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         help="no canary in the manifest (default: the base model's greedy text for a fixed "
         "seed, which the new model must predict about as well as the base model, checked here "
         "and on every device before it serves)",
+    )
+    p.add_argument(
+        "--mender",
+        metavar="ARTIFACT",
+        help="also write a Mender Artifact (module-image, type edge-agent-model) carrying the "
+        "bundle, for fleets that deploy with Mender (docs/UPDATES.md)",
+    )
+    p.add_argument(
+        "--mender-device-type",
+        dest="mender_device_types",
+        action="append",
+        default=[],
+        metavar="TYPE",
+        help="with --mender: a Mender device_type that may install it (repeat; at least one)",
+    )
+    p.add_argument(
+        "--mender-artifact-name",
+        metavar="NAME",
+        help="with --mender: the artifact name (default: <model name>-<version>)",
+    )
+    p.add_argument(
+        "--mender-key",
+        metavar="PEM",
+        help="with --mender: sign the artifact for Mender too (RSA or ECDSA P-256 private key)",
     )
     p.add_argument("--json", action="store_true", help="print the bundle as `inspect --json`")
     p.set_defaults(func=cmd_update_make)

@@ -1,0 +1,1 @@
+"""Deploying edge-agent models through Mender: the artifact (`artifact`)."""
