@@ -141,6 +141,11 @@ class SessionLost(AgentError):
         super().__init__(f"session {session}: {why}; the session is lost")
 
 
+class UpdateConflict(AgentError):
+    """An update command that its update's state does not allow (a commit of an update that
+    rolled back, a decision for an update that does not wait for one)."""
+
+
 # The trailing-metadata key under which the daemon names the error type of a failed call
 # (e.g. "ContextOverflow"), for clients to tell apart errors that share a status code.
 ERROR_TRAILER = "edge-agent-error"
@@ -153,6 +158,7 @@ GRPC_STATUS: dict[type[AgentError], str] = {
     Overloaded: "RESOURCE_EXHAUSTED",
     NotFound: "NOT_FOUND",
     SessionBusy: "FAILED_PRECONDITION",
+    UpdateConflict: "FAILED_PRECONDITION",
     Unavailable: "UNAVAILABLE",
     SessionLost: "DATA_LOSS",
     ConfigError: "FAILED_PRECONDITION",

@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
+    from agent.cli.mender import add_mender_parser
     from agent.cli.systemd import add_systemd_parser
 
     add_profile_parser(sub)
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fleet_parser(sub)
     add_keys_parser(sub)
     add_update_parser(sub)
+    add_mender_parser(sub)
     add_systemd_parser(sub)
     p = sub.add_parser("completion", help="print a shell completion script (bash, zsh)")
     p.add_argument("shell", choices=("bash", "zsh"))

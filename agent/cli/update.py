@@ -308,6 +308,9 @@ def add_update_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     p.add_argument("--json", action="store_true", help="print the bundle as `inspect --json`")
     p.set_defaults(func=cmd_update_make)
 
+    from agent.cli.update_local import add_local_parsers
+
+    add_local_parsers(sub)
     p = sub.add_parser(
         "inspect",
         help="show a bundle's manifest, signatures and payload check",

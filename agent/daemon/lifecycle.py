@@ -43,7 +43,7 @@ from agent.daemon.plan import (
 from agent.daemon.probe import Prober
 from agent.daemon.serving import Serving
 from agent.daemon.signals import Requests
-from agent.daemon.updates import DaemonUpdateHost
+from agent.daemon.updates import DaemonUpdateHost, start_admin
 from agent.engine.engine import Engine
 from agent.engine.stats import ModelInfo
 from agent.fleet.device.agent import FleetAgent, resolve_device_id
@@ -58,6 +58,7 @@ from agent.status.value import AgentStatus, ProbeFigures, rss_bytes
 from agent.systemd.notify import Notifier
 
 if TYPE_CHECKING:
+    from agent.api.grpc.admin import AdminServer
     from agent.api.http.server import HttpServer
 
 log = logging.getLogger("agent.daemon")  # the name its lines have always had ("ready in")
@@ -79,6 +80,7 @@ class Daemon:
         self._fleet: FleetAgent | None = None
         self._updater: Updater | None = None
         self._http: HttpServer | None = None  # the OpenAI-compatible API, beside gRPC
+        self._admin: AdminServer | None = None  # local installs (agent.api.grpc.admin)
         self._prober: Prober | None = None  # the quality probe (agent.daemon.probe)
         self._runs: RunBook | None = None  # how each model runs here (agent.status.runs)
         self.metrics = Metrics(self._scrape)  # one for the daemon's life: rpc and http report
@@ -223,6 +225,7 @@ class Daemon:
         host = DaemonUpdateHost(s, self._updater, lambda: self.config, self._fleet, self._prober)
         self._updater.attach(host)
         await self._updater.resume()
+        self._admin = await start_admin(self._updater, self.config.server.socket)
         self.notifier.ready(self._status_line())
         try:
             await self._main_loop(server)
@@ -400,6 +403,8 @@ class Daemon:
         if self._http is not None:
             await self._http.stop()
         await server.stop(grace=STREAM_END_GRACE_S)
+        if self._admin is not None:
+            await self._admin.stop()
         if self._fleet is not None:
             self._fleet.stop()  # after the drain: "offline" means no request is running
         self._observe_runs()

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agent import __version__
+from agent.api.grpc.admin import AdminServer, admin_socket
+from agent.base.errors import NotFound
 from agent.config.file import AgentConfig
 from agent.daemon.canary import engine_model
 from agent.daemon.plan import open_plan_model
@@ -123,3 +125,35 @@ class DaemonUpdateHost:
             prune_weight_cache(directory)
         except OSError as exc:  # the next load prunes them
             log.warning("weight cache not pruned (%s)", exc)
+
+
+class AdminUpdates:
+    """The admin socket's `Backend` (agent.api.grpc.admin) over the updater: installs from this
+    machine, their status, and an installer's commit or rollback."""
+
+    def __init__(self, updater: Updater) -> None:
+        self._updater = updater
+
+    def incoming(self) -> Path:
+        self._updater.store.payloads.mkdir(parents=True, exist_ok=True)
+        return self._updater.store.payloads
+
+    async def install(self, signed: bytes, args: dict[str, str], payload: Path) -> fpb.UpdateStatus:
+        return await self._updater.offer(signed, args, local=payload)
+
+    def update_status(self, update_id: str) -> fpb.UpdateStatus:
+        status = self._updater.last_status()
+        if status is None or (update_id and status.update_id != update_id):
+            latest = f"the latest is {status.update_id}" if status else "none was installed"
+            raise NotFound(f"update {update_id!r} is not this device's latest update; {latest}")
+        return status
+
+    async def decide(self, update_id: str, decision: str) -> fpb.UpdateStatus:
+        return await self._updater.decide(update_id, decision)
+
+
+async def start_admin(updater: Updater, api_socket: Path) -> AdminServer:
+    """The admin socket beside the apps' (agent.api.grpc.admin), serving."""
+    admin = AdminServer(AdminUpdates(updater), admin_socket(api_socket))
+    await admin.start()
+    return admin

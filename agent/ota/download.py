@@ -51,7 +51,7 @@ async def download(
             store.save(rec)
             reports.progress(rec, f"{have} of {m.payload_size} bytes")
 
-    while True:
+    while not rec.local_payload:  # (installed from this machine: delivered with it)
         check_times()
         before = _size(part)
         try:
@@ -79,6 +79,12 @@ async def download(
                 config.retry_s,
             )
             await interrupt.pause(config.retry_s)
+    if rec.local_payload and _size(part) != m.payload_size:
+        raise UpdateRejected(
+            "payload",
+            f"the payload installed with it is {_size(part)} of {m.payload_size} bytes; "
+            "install the bundle again",
+        )
     interrupt.check()  # a cancel stops the fetch early: the file is not whole
     digest = await asyncio.to_thread(sha256_file, part)
     if digest != m.payload_sha256:

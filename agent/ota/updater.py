@@ -14,14 +14,13 @@ from pathlib import Path
 from agent.base.clock import Clock, Stopwatch
 from agent.base.errors import AgentError
 from agent.config.file import UpdatesConfig
-from agent.ota import space
+from agent.ota import orders, space
 from agent.ota.artifact import keys, manifest, signing
-from agent.ota.artifact.cancel import check_cancellable, verify_cancel
 from agent.ota.cleanup import Cleanup
 from agent.ota.delta import files as delta
 from agent.ota.download import download
 from agent.ota.faults import UNREPORTED, crash_point, pause_point
-from agent.ota.fetch import HTTP_TIMEOUT_S, BlockSource, PayloadTooLarge
+from agent.ota.fetch import BlockSource, PayloadTooLarge
 from agent.ota.host import UpdateHost
 from agent.ota.interrupt import Interrupt
 from agent.ota.reports import Reports, manifest_of
@@ -37,7 +36,7 @@ log = logging.getLogger(__name__)
 R = opb.UpdateRecord
 Phase = fpb.UpdateStatus
 FINAL = (R.COMMITTED, R.ROLLED_BACK, R.REJECTED)
-CANCELLABLE = (R.RECEIVED, R.DOWNLOADING, R.VERIFIED, R.STAGED)  # before the new model loads
+CANCELLABLE = orders.CANCELLABLE
 UNJUDGED = "; its validity window is judged once the clock is synchronized"
 TRIAL_SAVE_S = 10.0  # the trial's elapsed time is written at least this often (and at every save)
 
@@ -78,6 +77,7 @@ class Updater:
         self.switch = Switch(config, self.clock, self.interrupt, self.reports, store)
         # why boot could not write (a full disk) and what serves instead: no update moves
         self.held: tuple[str, ModelRef] | None = None
+        self.decisions = orders.Decisions()  # installers' commits (commit=external)
 
     # ------------------------------------------------------------------ state
 
@@ -183,10 +183,12 @@ class Updater:
             self._start(rec)
 
     async def offer(
-        self, signed_bytes: bytes, args: Mapping[str, str] | None = None
+        self, signed_bytes: bytes, args: Mapping[str, str] | None = None, local: Path | None = None
     ) -> fpb.UpdateStatus:
-        """The fleet's update command: verify and check the manifest and the command's
-        arguments (`activate`, `allow_metered`: switch/policy.py), record them, start."""
+        """The fleet's update command, or an install from this machine with its payload at
+        `local` (moved into the store once accepted): verify and check the manifest
+        and the arguments (`activate`, `allow_metered`: switch/policy.py; `commit`:
+        orders.py), record them, start."""
         try:
             signed = opb.SignedManifest.FromString(signed_bytes)
         except Exception as exc:
@@ -216,6 +218,7 @@ class Updater:
             manifest.check(m, ctx, now)
             space.check(m, self.store, self.config.min_free_bytes, ctx.cache_dir)
             activate, allow_metered = self.switch.check_offer(args or {})
+            external = orders.commit_external(args or {})
         except manifest.UpdateRejected as exc:
             return self.reports.rejected(m.update_id, exc.code, exc.message, m)
         rec = R(
@@ -228,7 +231,11 @@ class Updater:
             attempt=space.attempt(busy, m),
             activate=activate,
             allow_metered=allow_metered,
+            local_payload=local is not None,
+            commit_external=external,
         )
+        if local is not None:  # (the store's own directory: an atomic rename)
+            os.replace(local, self.store.payload_path(m.update_id))
         self.store.save(rec)
         crash_point(UNREPORTED + "received")
         status = self.reports.transition(rec, rec.reason)
@@ -237,29 +244,16 @@ class Updater:
         return status
 
     async def cancel(self, signed_bytes: bytes) -> fpb.UpdateStatus:
-        """The fleet's cancel command: a signed cancel of the update in progress (before its
-        new model loads). Returns the update's status once it has ended (rejected, code
-        `cancelled`); raises UpdateRejected when the cancel is refused."""
-        try:
-            trusted = keys.load_trusted(self.config.trusted_keys_dir)
-        except keys.KeyFileError as exc:
-            raise manifest.UpdateRejected("trusted_keys", str(exc)) from exc
-        cancel, kid = verify_cancel(signed_bytes, trusted, self.timing.now())
-        rec = self.store.record()
-        task = self._task
-        running = rec is not None and task is not None and not task.done()
-        check_cancellable(cancel, rec if running else None, rec, CANCELLABLE)
-        assert rec is not None and task is not None
-        m = manifest_of(rec)
-        reason = f"cancelled by the operator (key {kid})" + (
-            f": {cancel.reason}" if cancel.reason else ""
-        )
-        log.warning("update %s: %s", m.update_id, reason)
-        self.interrupt.cancel(reason)  # a download stops at its next read
-        await asyncio.wait({task}, timeout=HTTP_TIMEOUT_S + 10)
-        status = self.last_status()
-        assert status is not None
-        return status
+        """The fleet's signed cancel (orders.cancel)."""
+        return await orders.cancel(self, signed_bytes)
+
+    async def decide(self, update_id: str, wanted: str) -> fpb.UpdateStatus:
+        """An installer's commit or rollback (orders.decide)."""
+        return await orders.decide(self, update_id, wanted)
+
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        return self._task
 
     def stop(self) -> None:
         self.interrupt.stop.set()
@@ -376,14 +370,19 @@ class Updater:
             problem = await self.host.check_serving(None)
             rec.trial_elapsed_s = min(watch.elapsed(), trial_s)
             if problem is not None:
-                await self._rollback(rec, f"health check failed during the trial: {problem}")
+                await self.rollback(rec, f"health check failed during the trial: {problem}")
+                return
+            if self.decisions.wanted(m.update_id) == orders.ROLLBACK:
+                await self.rollback(rec, "rolled back by the installer during the trial")
                 return
             if rec.trial_elapsed_s - saved >= TRIAL_SAVE_S:
                 self.store.save(rec)
                 saved = rec.trial_elapsed_s
         problem = await self.host.check_serving(canary)
         if problem is not None:
-            await self._rollback(rec, f"canary failed at the end of the trial: {problem}")
+            await self.rollback(rec, f"canary failed at the end of the trial: {problem}")
+            return
+        if not await orders.at_trial_end(self, rec):
             return
         inst = self.installed()
         self.store.switch(Installed(inst.current, inst.current, (*inst.finished, m.update_id)))
@@ -392,7 +391,7 @@ class Updater:
         self.store.remove_unused(keep)
         self.host.remove_unused_caches()
 
-    async def _rollback(self, rec: opb.UpdateRecord, reason: str) -> None:
+    async def rollback(self, rec: opb.UpdateRecord, reason: str) -> None:
         """Serve the last known good model again; reported once it serves."""
         assert self.host is not None
         inst = self._rollback_pointer(rec, reason, report=False)
@@ -437,6 +436,7 @@ class Updater:
         rec.reason = message
         rec.reason_code = code
         space.save_final(self.store, rec)
+        self.decisions.forget(manifest_of(rec).update_id)
         crash_point(UNREPORTED + R.State.Name(state).lower())
         if state in (R.REJECTED, R.ROLLED_BACK):
             space.complete(self.cleanup, rec)
