@@ -224,8 +224,9 @@ class Daemon:
         self._updater.blocks = self._fleet.link if self._fleet is not None else None
         host = DaemonUpdateHost(s, self._updater, lambda: self.config, self._fleet, self._prober)
         self._updater.attach(host)
-        await self._updater.resume()
+        # before resume: an update resumed runs from here on, and READY follows at once
         self._admin = await start_admin(self._updater, self.config.server.socket)
+        await self._updater.resume()
         self.notifier.ready(self._status_line())
         try:
             await self._main_loop(server)

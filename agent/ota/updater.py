@@ -78,6 +78,7 @@ class Updater:
         # why boot could not write (a full disk) and what serves instead: no update moves
         self.held: tuple[str, ModelRef] | None = None
         self.decisions = orders.Decisions()  # installers' commits (commit=external)
+        self._resumed = asyncio.Event()  # offers wait for `resume` (the record's task first)
 
     # ------------------------------------------------------------------ state
 
@@ -170,6 +171,7 @@ class Updater:
     async def resume(self) -> None:
         """Once serving: continue an interrupted update, or finish the cleanup of an ended one
         (a crash may have come between its record and its cleanup)."""
+        self._resumed.set()  # (set first: what follows starts the record's task synchronously)
         rec = self.store.record()
         if self.held:  # a start on a full disk: nothing moves until a start with room
             space.held(self.reports, rec, self.held[0])
@@ -189,6 +191,7 @@ class Updater:
         `local` (moved into the store once accepted): verify and check the manifest
         and the arguments (`activate`, `allow_metered`: switch/policy.py; `commit`:
         orders.py), record them, start."""
+        await self._resumed.wait()
         try:
             signed = opb.SignedManifest.FromString(signed_bytes)
         except Exception as exc:
