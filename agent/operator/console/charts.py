@@ -37,10 +37,12 @@ def limit(c: Check) -> float | None:
 
 
 def gate_figures(checks: Sequence[Check], wave: int) -> list[tuple[str, Figure]]:
-    """(metric, figure) per gate metric judged at `wave` (0-based), in METRICS order."""
+    """(metric, figure) per gate metric judged at `wave` (0-based): those that failed on some
+    board class first (what halted the rollout), then the others, each in METRICS order."""
     shown = [c for c in checks if c.wave == wave and c.metric in METRICS]
+    failed = {c.metric for c in shown if c.verdict in ("fail", "undecided")}
     out = []
-    for metric in METRICS:
+    for metric in sorted(METRICS, key=lambda m: m not in failed):
         mine = sorted((c for c in shown if c.metric == metric), key=lambda c: c.board)
         if mine:
             out.append((metric, gate_figure(metric, mine, wave)))
@@ -78,34 +80,41 @@ def gate_figure(metric: str, checks: Sequence[Check], wave: int) -> Figure:
     return {
         "data": data,
         "layout": {
-            "title": {"text": f"{name} ({metric}), wave {wave + 1}: before vs after per board"},
+            "title": {
+                "text": f"{name} ({metric}), wave {wave + 1}: before vs after per board",
+                "x": 0.01,
+                "xanchor": "left",
+            },
             "barmode": "group",
             "yaxis": {"title": {"text": unit}, "rangemode": "tozero"},
             "xaxis": {"title": {"text": "board class (profile/arch)"}, "type": "category"},
-            "height": 360,
-            "margin": {"t": 60, "b": 60, "l": 70, "r": 20},
-            "legend": {"orientation": "h", "y": -0.25},
+            "height": 380,
+            "margin": {"t": 60, "b": 100, "l": 70, "r": 20},
+            "legend": {"orientation": "h", "y": -0.3},
         },
     }
 
 
 def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S")
+    """A time as plotly reads dates (UTC, to the millisecond: reports may come close together)."""
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
 
 
 def health_figures(s: Series) -> list[tuple[str, Figure]]:
-    """(metric key, figure) per health figure the device reported at least once."""
+    """(metric key, figure) per health figure the device reported (not only as 0) at least
+    once."""
     x = [_iso(t) for t in s.times]
     out = []
     for key, title, unit in HEALTH_METRICS:
         y = s.figures[key]
-        if all(v is None for v in y):
+        if all(not v for v in y):
             continue
         out.append((key, {
             "data": [{"type": "scatter", "mode": "lines+markers", "name": title, "x": x,
                       "y": list(y), "connectgaps": False}],
             "layout": {
-                "title": {"text": f"{title}" + (f" ({unit})" if unit else "")},
+                "title": {"text": f"{title}" + (f" ({unit})" if unit else ""), "x": 0.01,
+                          "xanchor": "left"},
                 "xaxis": {"type": "date", "title": {"text": "time (UTC)"}},
                 "yaxis": {"rangemode": "tozero"},
                 "height": 260, "margin": {"t": 40, "b": 50, "l": 60, "r": 20},
@@ -130,7 +139,7 @@ def fleet_figure(rows: Iterable[tuple[str, str]]) -> Figure:
     return {
         "data": data,
         "layout": {
-            "title": {"text": "devices per group, by model version"},
+            "title": {"text": "devices per group, by model version", "x": 0.01, "xanchor": "left"},
             "barmode": "stack",
             "xaxis": {"type": "category"},
             "yaxis": {"title": {"text": "devices"}},
