@@ -118,9 +118,10 @@ def console(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
         yield Running(url, proc, boards, r.spec.rollout_id, store)
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        stopped = proc.wait(timeout=30)
         boards.close()
         broker.stop()
+    assert stopped == 0  # SIGTERM: a clean stop
     # the console read the rollouts directory and wrote nothing there
     assert sorted(p.name for p in store.iterdir()) == before
 

@@ -3,8 +3,8 @@ web page served by this process (docs/ROLLOUTS.md "The console").
 
 It connects to the broker as `fleet watch` does (the same connection flags and [fleet]
 settings) and reads the rollouts directory of `fleet rollout` without writing to it. Exit codes:
-0 stopped (Ctrl-C, SIGTERM), 1 the broker could not be reached at the start, 2 usage, a key
-file that does not read, an address that cannot be listened on, or plotly not installed.
+0 stopped by SIGTERM, 1 the broker could not be reached at the start, 2 usage, a key file that
+does not read, an address that cannot be listened on, or plotly not installed, 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from agent.base.errors import AgentError
 from agent.cli.common import _fail
 from agent.cli.fleet.common import (
     EXIT_FAILED,
+    EXIT_INTERRUPTED,
     _connection,
     _connection_args,
     _good_prefix,
@@ -112,6 +113,8 @@ def cmd_fleet_console(args: argparse.Namespace) -> int:
 
     try:
         serve(guarded(app, sock, args.allow_host), sock, started_serving)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
     finally:
         if fleet is not None:
             fleet.stop()

@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from http.cookies import SimpleCookie
 from pathlib import Path
 from typing import Any, Final
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl, quote, urlencode
 
 from jinja2 import Environment, PackageLoader, select_autoescape
 from starlette.applications import Starlette
@@ -98,7 +98,7 @@ class Access:
                 await _denied(self._env)(scope, receive, send)
                 return
             rest = urlencode([(k, v) for k, v in query if k != "key"])
-            target = scope["path"] + (f"?{rest}" if rest else "")
+            target = quote(scope["path"]) + (f"?{rest}" if rest else "")
             back = Response(status_code=303, headers={"location": target, **HEADERS})
             back.set_cookie(
                 COOKIE, cookie_token(given[0]), httponly=True, samesite="strict", path="/"

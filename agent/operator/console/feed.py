@@ -42,7 +42,7 @@ class LiveFleet:
         self.history = history
         self.lock = threading.Lock()
         self.status = "connecting"  # "connected to URL" | "DISCONNECTED: why; retrying ..."
-        self.retained_done = threading.Event()  # the first burst of retained copies is in
+        self.failed = 0  # messages that raised in `handle` (logged once), ignored
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -73,10 +73,15 @@ class LiveFleet:
             self.history.add(p.device, device.health, run, at)
 
     def _on_message(self, msg: mqtt.MQTTMessage) -> None:
-        self.handle(
-            msg.topic, bytes(msg.payload), time.time(), retained=bool(msg.retain),
-            message_type=payload_type(msg), content=payload_content(msg),
-        )  # fmt: skip
+        try:
+            self.handle(
+                msg.topic, bytes(msg.payload), time.time(), retained=bool(msg.retain),
+                message_type=payload_type(msg), content=payload_content(msg),
+            )  # fmt: skip
+        except Exception:  # a message this code cannot take must not end the feed
+            self.failed += 1
+            if self.failed == 1:
+                log.exception("console: a message on %s could not be handled", msg.topic)
 
     # ------------------------------------------------------------------ the connection
 
@@ -105,8 +110,6 @@ class LiveFleet:
             self.status = text
 
     def _run(self, link: _Link) -> None:
-        quiet_since = time.monotonic()
-        seen = self.view.messages
         try:
             while not self._stop.is_set():
                 try:
@@ -120,12 +123,6 @@ class LiveFleet:
                         return
                     link = again
                     self._set_status(f"connected to {link.url}")
-                    continue
-                if not self.retained_done.is_set():  # quiet for a second: the burst is in
-                    if self.view.messages != seen:
-                        seen, quiet_since = self.view.messages, time.monotonic()
-                    elif time.monotonic() - quiet_since >= 1.0:
-                        self.retained_done.set()
         finally:
             link.close()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import signal
 import socket
 from collections.abc import Callable, Iterable
 from typing import Final
@@ -83,7 +84,10 @@ def guarded(app: object, sock: socket.socket, extra_hosts: Iterable[str]) -> Req
 
 
 def serve(app: object, sock: socket.socket, on_started: Callable[[], None]) -> None:
-    """Run until SIGINT or SIGTERM (uvicorn's handlers); `on_started` once it accepts."""
+    """Run until SIGINT or SIGTERM; `on_started` once it accepts. uvicorn stops gracefully on
+    either, then raises the signal again for the handler it found: SIGTERM's here is a no-op
+    (a clean stop, exit 0), SIGINT's the CLI's (KeyboardInterrupt: exit 130, as every
+    command)."""
     config = uvicorn.Config(
         app,  # type: ignore[arg-type]
         lifespan="off",
@@ -102,4 +106,8 @@ def serve(app: object, sock: socket.socket, on_started: Callable[[], None]) -> N
         on_started()
 
     server.startup = startup  # type: ignore[method-assign]
-    server.run(sockets=[sock])
+    previous = signal.signal(signal.SIGTERM, lambda _s, _f: None)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)

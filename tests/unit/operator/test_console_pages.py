@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -199,3 +201,60 @@ def test_bad_settings_are_one_line_and_exit_2(tmp_path: Path) -> None:
     gone = console("--no-broker", PYTHONPATH=f"{fake.parent}:{ROOT}")
     assert gone.returncode == 2 and "pip install 'edge-agent[console]'" in gone.stderr
     assert len(gone.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.broker
+def test_the_live_fleet_comes_back_after_the_broker_restarts(tmp_path: Path) -> None:
+    from tests.support.broker import Mosquitto
+    from tests.support.gateboards import GOOD, Boards
+
+    broker = Mosquitto(tmp_path / "broker")
+    boards = Boards(broker, "u1", "cd" * 32, 2, GOOD)
+    opts = MqttOptions(broker=parse_broker("test", "broker", broker.url), protocol="5")
+    live = LiveFleet(opts, PREFIX, HealthHistory(time.time()), 180.0)
+
+    def wait(done: Callable[[], bool]) -> bool:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with live.lock:
+                if done():
+                    return True
+            time.sleep(0.05)
+        return False
+
+    def points() -> int:
+        s = live.history.series("board-00")
+        return len(s.times) if s else 0
+
+    try:
+        live.connect()
+        assert wait(lambda: len(live.view.devices) == 2 and points() == 1)
+        broker.restart(down_s=1.0)
+        boards.close()  # its client does not reconnect: a new one publishes
+        boards = Boards(broker, "u1", "cd" * 32, 2, GOOD)
+        boards.health("board-00", updated=True)
+        assert wait(lambda: points() >= 2 and live.status.startswith("connected"))
+        with live.lock:
+            h = live.view.devices["board-00"].health
+            assert h is not None and h.model_version == "1.1.0"
+    finally:
+        live.stop()
+        boards.close()
+        broker.stop()
+
+
+def test_sigterm_stops_it_cleanly_and_ctrl_c_is_130(tmp_path: Path) -> None:
+    for sig, code in ((signal.SIGTERM, 0), (signal.SIGINT, 130)):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agent", "fleet", "console", "--no-broker", "--listen",
+             "127.0.0.1:0", "--rollouts-dir", str(tmp_path / "none")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+        assert proc.stdout is not None and proc.stderr is not None
+        assert "serving http://127.0.0.1:" in proc.stdout.readline()
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == code, proc.stderr.read()
+        assert "Traceback" not in proc.stderr.read()
+        proc.stdout.close()
+        proc.stderr.close()
