@@ -36,7 +36,7 @@ from starlette.routing import Route
 from agent.operator.console import pages
 from agent.operator.console.feed import LiveFleet
 from agent.operator.console.rollouts import ReadOnlyStore
-from agent.operator.inventory import inventory, inventory_row
+from agent.operator.inventory import inventory_row
 from agent.operator.rollout.state import ROLLOUT_ID_RE, RolloutError
 from agent.operator.view import _row
 
@@ -171,10 +171,12 @@ def build_app(console: Console, key: str | None) -> Any:
         return {"status": status, "malformed": malformed, "started": console.started_unix}
 
     def snapshot() -> dict[str, Any]:
+        """Inventory rows by device id; the lock is held only to copy the (frozen) devices."""
         if fleet is None:
             return {}
         with fleet.lock:
-            return inventory(fleet.view)
+            devices = dict(fleet.view.devices)
+        return {d: inventory_row(devices[d]) for d in sorted(devices)}
 
     def overview(request: Request) -> Response:
         q = request.query_params
