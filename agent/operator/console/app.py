@@ -134,6 +134,7 @@ def _environment() -> Environment:
         loader=PackageLoader("agent.operator.console", "templates"),
         autoescape=select_autoescape(default=True, default_for_string=True),
     )
+    env.filters["clip"] = pages.clip
     env.filters["when"] = lambda t: (
         datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if t else "-"
     )

@@ -2,10 +2,10 @@
 snapshot of the live fleet or from one rollout read from the store. Pure: no I/O, no clock
 (`now` is given).
 
-Bounds (docs/ROLLOUTS.md "The console"): the device table shows `PAGE_SIZE` devices a page
-(`?page=N`, narrowed by `?group=G` and `?q=TEXT`), the group/profile/version summary at most
-`MAX_SUMMARY` rows, a rollout's device table at most `MAX_ROLLOUT_DEVICES` rows; each says how
-many more there are.
+Bounds (docs/ROLLOUTS.md "The console"): a value from a device shows at most `MAX_FIELD`
+characters; the device table shows `PAGE_SIZE` devices a page (`?page=N`, narrowed by
+`?group=G` and `?q=TEXT`), the group/profile/version summary at most `MAX_SUMMARY` rows, a
+rollout's device table at most `MAX_ROLLOUT_DEVICES` rows; each says how many more there are.
 """
 
 from __future__ import annotations
@@ -28,6 +28,13 @@ PAGE_SIZE: Final = 200
 MAX_SUMMARY: Final = 500
 MAX_ROLLOUT_DEVICES: Final = 500
 MAX_QUERY: Final = 100  # characters of ?q= and ?group= looked at
+MAX_FIELD: Final = 120  # characters of one value from a device in a table cell or a legend
+
+
+def clip(value: object, limit: int = MAX_FIELD) -> str:
+    """A value from the network as a page shows it: at most `limit` characters."""
+    text = str(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +83,9 @@ def overview(
         "pages": pages,
         "group": group,
         "query": query[:MAX_QUERY],
-        "figure": fleet_figure((r.group, _model(r)) for r in all_rows) if all_rows else None,
+        "figure": (
+            fleet_figure((r.group, clip(_model(r))) for r in all_rows) if all_rows else None
+        ),
     }
 
 

@@ -103,6 +103,12 @@ def test_names_from_the_network_are_escaped_and_garbage_is_counted(tmp_path: Pat
         assert "&lt;script&gt;" in http.get("/devices/d1").text
         assert "2 malformed messages ignored" in http.get("/").text
         assert http.get("/devices/d2").status_code == 404
+        # a valid health with a 100,000-character model name: clipped in the tables
+        live.handle(f"{PREFIX}/d4/health", health("d4", 1, model="m" * 100_000), now,
+                    retained=False)  # fmt: skip
+        for path in ("/", "/devices/d4"):
+            page = http.get(path)
+            assert page.status_code == 200 and len(page.text) < 30_000, (path, len(page.text))
         assert http.get("/devices/" + "x" * 5000).status_code == 404
 
 
