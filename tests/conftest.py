@@ -79,6 +79,7 @@ STARTS = {"Mosquitto": "broker", "RabbitMQ": "rabbitmq", "RabbitCluster": "rabbi
 BY_FILE = {
     "tests/system/test_arm.py": ("emulation", "root", "slow"),
     "tests/system/test_systemd_boot.py": ("emulation", "nspawn", "root", "slow"),
+    "tests/system/test_mender.py": ("root",),  # mount namespaces for Mender's fixed paths
 }
 # files that take more than 60 s on a 2-core machine with the tiny models cached (--durations)
 SLOW_FILES = frozenset(

@@ -22,11 +22,11 @@ import hashlib
 import logging
 import os
 import secrets
-import stat
 from collections.abc import Iterable
 from pathlib import Path
 
 from agent.base.errors import ConfigError, InvalidRequest
+from agent.base.keyfile import loose_key_file
 
 log = logging.getLogger(__name__)
 
@@ -58,28 +58,6 @@ def check_key(key: str) -> str:
             f"a client key must be 1 to {MAX_KEY_CHARS} printable ASCII characters"
         )
     return key
-
-
-def loose_key_file(path: Path, *, group_may_read: bool = True) -> str | None:
-    """What is wrong with a key file's permissions, or None. Others (neither the owner nor
-    the file's group) must have no access, and the group may read (the daemon's bearer key:
-    a group is how it is shared with the apps that use it) or nothing (`group_may_read`
-    False: a client's own key). "Others" is every user on the board.
-
-    A warning, not a refusal (docs/API.md "Keys"): the key guards a loopback listener that
-    the Host/Origin checks already keep browsers off, and a daemon that refuses to start over
-    a provisioning slip serves nobody, gRPC included, on every board that has it."""
-    mode = os.stat(path).st_mode
-    if mode & stat.S_IRWXO:
-        return (
-            f"mode {stat.S_IMODE(mode):04o}: every user on this machine can "
-            f"{'read' if mode & stat.S_IROTH else 'change'} the key (chmod o-rwx {path})"
-        )
-    group = stat.S_IWGRP | stat.S_IXGRP | (0 if group_may_read else stat.S_IRGRP)
-    if mode & group:
-        fix = "g-wx" if group_may_read else "g-rwx"
-        return f"mode {stat.S_IMODE(mode):04o}: its group has access (chmod {fix} {path})"
-    return None
 
 
 def default_key_path() -> Path:

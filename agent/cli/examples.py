@@ -36,6 +36,7 @@ EXAMPLES: Final[dict[str, str]] = {
     "fleet rollout start": "edge-agent fleet rollout start update.tar --target group:kitchen "
     "--waves 5%,25%,100%",
     "fleet rollout status": "edge-agent fleet rollout status",
+    "fleet console": "edge-agent fleet console --broker mqtt://broker.lan:1883   # open the URL",
     "fleet rollout resume": "edge-agent fleet rollout resume ROLLOUT_ID",
     "fleet rollout pause": "edge-agent fleet rollout pause ROLLOUT_ID",
     "fleet rollout abort": "edge-agent fleet rollout abort ROLLOUT_ID",

@@ -5,7 +5,7 @@ configured. No second process, no thread per request, no signal handlers of its 
 daemon's stay in charge): `start` binds and serves, `stop` closes.
 
 Bounds (docs/API.md "Limits"): a connection limit and header/body/keep-alive deadlines
-(`agent.api.http.connections`), Host and Origin checks (`agent.api.http.guard`), a JSON content type
+(`agent.api.http.connections`), Host and Origin checks (`agent.base.webguard`), a JSON content type
 and nesting depth (`agent.api.http.body`).
 
 Why uvicorn + starlette and not aiohttp: docs/PERFORMANCE.md "HTTP stack".
@@ -25,33 +25,15 @@ from prometheus_client.registry import Collector
 
 from agent.api import unixsocket
 from agent.api.http import connections
-from agent.api.http.guard import RequestGuard, allowed_hosts
 from agent.api.http.openai import Api, Backend, Counter
-from agent.api.identity import loose_key_file
 from agent.base.errors import HostError
+from agent.base.keyfile import read_key
+from agent.base.webguard import RequestGuard, allowed_hosts
 from agent.config.file import AgentConfig, http_socket
 
 log = logging.getLogger("agent.api.http")
 
 BACKLOG: Final = connections.BACKLOG
-
-
-def read_key(path: Path) -> str:
-    """The bearer key: the file's first line, which must not be empty. A file that others
-    (not the owner or its group) may read or write is served with a warning
-    (`agent.api.identity.loose_key_file`)."""
-    try:
-        loose = loose_key_file(path)
-        key = path.read_text().strip()
-    except OSError as exc:
-        raise HostError(f"http.key_file {path}: {exc.strerror}") from exc
-    except UnicodeDecodeError as exc:
-        raise HostError(f"http.key_file {path}: not text ({exc.reason})") from exc
-    if not key or "\n" in key:
-        raise HostError(f"http.key_file {path}: must hold the key on one line, and not be empty")
-    if loose:
-        log.warning("http.key_file %s: %s", path, loose)
-    return key
 
 
 class HttpServer:

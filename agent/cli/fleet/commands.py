@@ -33,6 +33,7 @@ from agent.cli.fleet.common import (
     _Usage,
     describe,
 )
+from agent.cli.fleet.console import add_console_command
 from agent.cli.fleet.decode import add_decode_command
 from agent.cli.fleet.inventory import add_inventory_command, send_to_group
 from agent.cli.fleet.rollout import add_rollout_commands
@@ -249,3 +250,4 @@ def add_fleet_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     add_update_commands(sub)
     add_rollout_commands(sub)
     add_decode_command(sub)
+    add_console_command(sub)

@@ -23,7 +23,7 @@ def _stock(out: Path, *extra: str) -> int:
 
 
 def test_plain_protoc_compiles_every_proto(tmp_path: Path) -> None:
-    assert len(PROTOS) == 3
+    assert len(PROTOS) == 4
     out = tmp_path / "py"
     assert _stock(out, f"--python_out={out}", f"--grpc_python_out={out}") == 0
     # the stock modules import each other as protoc named them, with only `out` on the path
@@ -45,6 +45,7 @@ def test_package_descriptors_equal_plain_protoc(tmp_path: Path) -> None:
     """Our modules (agent.pb..., imports prefixed at build time) hold byte for byte the
     descriptors a plain protoc's modules hold, under the same file names (what reflection
     serves)."""
+    from agent.pb.edge_agent.admin.v1 import admin_pb2
     from agent.pb.edge_agent.fleet.v1 import fleet_pb2
     from agent.pb.edge_agent.ota.v1 import ota_pb2
     from agent.pb.edge_agent.v1 import agent_pb2
@@ -61,18 +62,24 @@ def test_package_descriptors_equal_plain_protoc(tmp_path: Path) -> None:
         "edge_agent.v1.agent_pb2",
         "edge_agent.fleet.v1.fleet_pb2",
         "edge_agent.ota.v1.ota_pb2",
+        "edge_agent.admin.v1.admin_pb2",
     ]
     done = subprocess.run(
         [sys.executable, "-I", "-c", dump, str(out), *names], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    for name, module in zip(names, (agent_pb2, fleet_pb2, ota_pb2), strict=True):
+    modules = (agent_pb2, fleet_pb2, ota_pb2, admin_pb2)
+    for name, module in zip(names, modules, strict=True):
         assert module.DESCRIPTOR.serialized_pb == (out / f"{name}.bin").read_bytes(), name
-    files = [m.DESCRIPTOR.name for m in (agent_pb2, fleet_pb2, ota_pb2)]
+    files = [m.DESCRIPTOR.name for m in modules]
     assert files == [
         "edge_agent/v1/agent.proto",
         "edge_agent/fleet/v1/fleet.proto",
         "edge_agent/ota/v1/ota.proto",
+        "edge_agent/admin/v1/admin.proto",
+    ]
+    assert [d.name for d in admin_pb2.DESCRIPTOR.dependencies] == [
+        "edge_agent/fleet/v1/fleet.proto"
     ]
     assert [d.name for d in fleet_pb2.DESCRIPTOR.dependencies] == ["edge_agent/v1/agent.proto"]
     assert fleet_pb2.Health.__module__ == "agent.pb.edge_agent.fleet.v1.fleet_pb2"

@@ -122,7 +122,13 @@ def test_a_signed_artifact_verifies_with_its_key_and_not_another(
         (("--mender-device-type", "pi5"), "need --mender"),
         (("--mender", "X.mender", "--mender-device-type", "pi 5"), "device type 'pi 5'"),
         (
-            ("--mender", "X.mender", "--mender-device-type", "pi5", "--mender-artifact-name", "a b"),
+            (
+                "--mender",
+                "X.mender",
+                "--mender-device-type",
+                "pi5",
+                *("--mender-artifact-name", "a b"),
+            ),
             "artifact name 'a b'",
         ),
         (("--mender", "X.mender", "--mender-device-type", "pi5", "--mender-key", "KEY"), "KEY"),

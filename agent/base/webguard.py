@@ -1,4 +1,6 @@
-"""Who may drive the HTTP API from a browser: a Host allow-list and an Origin check.
+"""Who may drive a loopback HTTP listener from a browser: a Host allow-list and an Origin
+check. The daemon's HTTP API (`agent.api.http.server`) and the operator's web console
+(`agent.operator.console`) apply the same rules; the messages name each one's own settings.
 
 A web page can make the browser send requests to a loopback TCP port, directly (a form or
 `fetch` to http://127.0.0.1:PORT) or through DNS rebinding (its own name resolving to
@@ -19,10 +21,9 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import urlsplit
-
-log = logging.getLogger("agent.api.http")
 
 LOOPBACK_HOSTS: Final = frozenset({"localhost", "127.0.0.1", "::1"})
 
@@ -41,25 +42,44 @@ def allowed_hosts(listen_hosts: Iterable[str], extra: Iterable[str]) -> frozense
     return LOOPBACK_HOSTS | {host_name(h) for h in (*listen_hosts, *extra)}
 
 
+@dataclass(frozen=True, slots=True)
+class Wording:
+    """How the refusals name the listener and the settings that widen it."""
+
+    who: str = "this agent"
+    more_hosts: str = "http.allowed_hosts adds names"
+    more_origins: str = "http.allowed_origins adds origins"
+    logger: str = "agent.api.http"
+
+
 class RequestGuard:
     """ASGI middleware: the Host and Origin checks, then `app`."""
 
-    def __init__(self, app: Any, hosts: frozenset[str], origins: frozenset[str]) -> None:
+    def __init__(
+        self,
+        app: Any,
+        hosts: frozenset[str],
+        origins: frozenset[str],
+        wording: Wording = Wording(),
+    ) -> None:
         self._app = app
         self._hosts = hosts
         self._origins = frozenset(o.rstrip("/").lower() for o in origins)
+        self._words = wording
+        self._log = logging.getLogger(wording.logger)
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             refusal = self.refusal(scope)
             if refusal is not None:
-                log.info("http %s %s refused: %s", scope["method"], scope["path"], refusal)
+                self._log.info("http %s %s refused: %s", scope["method"], scope["path"], refusal)
                 await _send_403(send, refusal)
                 return
         await self._app(scope, receive, send)
 
     def refusal(self, scope: Scope) -> str | None:
         """Why this request may not be served (None: it may)."""
+        w = self._words
         server = scope.get("server")
         port = server[1] if server else None  # None: the unix socket
         host = origin = None
@@ -70,13 +90,13 @@ class RequestGuard:
                 origin = value.decode("latin-1")
         if port is not None and host is not None and host_name(host) not in self._hosts:
             return (
-                f"Host {host!r} is not one this agent answers to (allowed: "
-                f"{', '.join(sorted(self._hosts))}; http.allowed_hosts adds names)"
+                f"Host {host!r} is not one {w.who} answers to (allowed: "
+                f"{', '.join(sorted(self._hosts))}; {w.more_hosts})"
             )
         if origin is not None and not self._own_origin(origin, port):
             return (
-                f"Origin {origin!r} is not this agent's own (cross-site requests are refused; "
-                "http.allowed_origins adds origins)"
+                f"Origin {origin!r} is not {w.who}'s own (cross-site requests are refused; "
+                f"{w.more_origins})"
             )
         return None
 
