@@ -20,7 +20,7 @@ import numpy as np
 from agent.model.tflite.layout import ModelLayout, Window
 
 _BATCH = re.compile(r"^(?:kv(\d+)_)?decode_batch_(\d+)$")
-BATCH_CHECK_HISTORY = 3  # decode steps a check row b runs first: b * this + 1 (rows differ)
+BATCH_CHECK_HISTORY = 2  # decode steps a check row b runs first: b * this + 1 (rows differ)
 
 
 @dataclass(frozen=True, slots=True)

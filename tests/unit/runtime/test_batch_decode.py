@@ -161,3 +161,33 @@ def test_a_batch_signature_that_differs_from_decode_is_not_used(
     got = _run_rows(runner, [3, 6], steps=2)  # still right: one by one
     np.testing.assert_array_equal(np.stack(got[0]), reference(path, _stream(0))[3:5])
     runner.close()
+
+
+def test_windows_added_at_load_clone_the_batch_signatures(
+    batched, make_profile, tmp_path, monkeypatch, caplog
+) -> None:
+    from agent.model.tflite import layout as kv_layout
+
+    monkeypatch.setattr(kv_layout, "SMALLEST_WINDOW", 16)  # so that KV 64 gets windows 16, 32
+    path = batched("int8")
+    profile = make_profile(runtime={"xnnpack_weight_cache_dir": str(tmp_path / "xnnpack")})
+    with caplog.at_level(logging.INFO, logger="agent.runtime"):
+        runner = litert.load(path, profile, cache_key="c" * 64).runner
+    assert [w.length for w in runner.layout.all_windows()] == [16, 32, 64]
+    assert runner.batch_sizes == BATCH and "batched decode allowed" in caplog.text
+    assert sorted(s.key for sigs in runner._batch.values() for s in sigs) == [
+        "decode_batch_2",
+        "decode_batch_4",
+        "kv16_decode_batch_2",
+        "kv16_decode_batch_4",
+        "kv32_decode_batch_2",
+        "kv32_decode_batch_4",
+    ]
+    got = _run_rows(runner, [2, 7], steps=3)  # both in window 16
+    assert runner.costs.calls("kv16_decode_batch_2") == 3
+    for b, start in enumerate([2, 7]):
+        np.testing.assert_array_equal(np.stack(got[b]), reference(path, _stream(b))[start:][:3])
+    # rows in different windows: each window's rows run apart (here one by one)
+    got = _run_rows(runner, [3, 20], steps=1)
+    np.testing.assert_array_equal(got[1][0], reference(path, _stream(1))[20])
+    runner.close()
