@@ -144,10 +144,17 @@ class CompiledRunner(RunnerBase[_BoundKV]):
         def details(key: str) -> tuple[dict[str, Any], dict[str, Any]]:
             return m.get_input_tensor_details(key), m.get_output_tensor_details(key)
 
-        found, problems = discover_batch(m.get_signature_list(), details, self.layout)
-        for problem in problems:
-            log.warning("batch signature not used: %s", problem)
-        self._batch_io = {s.key: self._make_batch_io(s) for sigs in found.values() for s in sigs}
+        self._batch_io: dict[str, _SigIO] = {}
+        try:
+            found, problems = discover_batch(m.get_signature_list(), details, self.layout)
+            for problem in problems:
+                log.warning("batch signature not used: %s", problem)
+            self._batch_io = {s.key: self._make_batch_io(s) for v in found.values() for s in v}
+        except (RuntimeError, ValueError, KeyError) as exc:  # never a reason not to load
+            log.warning("batched decode off: its signatures cannot be opened (%s)", exc)
+            self._batch_io.clear()
+            self.batch_problem = f"its signatures cannot be opened: {exc}"
+            return
         self._batch = found
         self.batch_problem = None if found else "the file has no batch signatures"
 
