@@ -8,18 +8,23 @@ Why this shape (issue 37, item 1):
   buffers it owns: the runner binds row b to that request's buffers, so nothing is copied when
   the set of rows changes, and sessions, tiers, spills and KV windows work on the same buffers
   as single-row decode. The cost is inputs: B x layers x 2 KV tensors (240 for a 30-layer model
-  at B=4), bound once per set of rows (the capsule maps are cached like decode's).
+  at B=4; LiteRT takes them), bound on each call (a map of 240 handles: microseconds against a
+  step of milliseconds). One [B, ...] KV input would need the rows copied in and out whenever
+  the set of running requests changes, and a second KV ownership model beside the sessions'.
 * **The weight matmuls run over all rows at once** (embedding lookup, QKV and output
   projections, FFN, lm_head on [B, 1, dim]): that is the one pass over the weights the batch
-  exists for. Decode is bandwidth-bound, so B rows cost little more than one.
-* **Everything position-dependent runs per row, with decode's own ops and shapes**: RoPE from
-  the row's ``input_pos``, its causal mask, the KV update (DYNAMIC_UPDATE_SLICE at its
-  position) and attention over its own cache. Rows at different positions never share a mask.
+  exists for.
+* **What depends on the position is computed for all rows at once with decode's elementwise
+  ops** (RoPE's cos/sin, the causal mask, the KV update's start index), **and only the KV update
+  (DYNAMIC_UPDATE_SLICE at the row's position) and attention over the row's own cache run per
+  row**, with decode's ops and shapes. Rows at different positions never share a mask.
 * ``tokens`` [B, 1] int32, ``input_pos`` [B] int32 (row b's position), with
   ``mask_as_input`` a ``mask`` [B, 1, 1, kv_len]; ``logits`` [B, 1, vocab].
 
 A row's logits must equal single-row ``decode``'s bit for bit, or batching would change a
-request's tokens; the runtime checks that at the first load (`agent.runtime.batchcheck`).
+request's tokens; the runtime checks that at the first load (`agent.runtime.batch`): XNNPACK's
+kernels give the same bits (fp32 and dynamic-range int8, both KV layouts, measured), LiteRT's
+builtin kernels do not.
 Files without these signatures decode one request at a time, as before.
 """
 

@@ -191,3 +191,21 @@ def test_windows_added_at_load_clone_the_batch_signatures(
     got = _run_rows(runner, [3, 20], steps=1)
     np.testing.assert_array_equal(got[1][0], reference(path, _stream(1))[20])
     runner.close()
+
+
+@pytest.mark.parametrize("quantization", ["fp32", "int8"])
+def test_builtin_kernels_differ_so_batching_is_off(batched, quantization) -> None:
+    """LiteRT's builtin kernels (the ``cpu`` link) do not give a batch row decode's bits: the
+    check finds it (measured: fp32 logits ~2e-6 off; int8 KV rows differ, presumably the
+    hybrid kernels quantize the activations of all rows together: not examined)."""
+    from agent.model.tflite.file import read_model_file
+    from agent.model.tflite.layout import discover_layout
+    from agent.runtime.compiled import CompiledRunner
+
+    path = batched(quantization)
+    runner = CompiledRunner(path, discover_layout(read_model_file(path)), "cpu", 2, None, None)
+    assert [s.rows for s in runner._batch[64]] == [2, 4]
+    problem = runner.check_batch()
+    assert problem is not None and problem.startswith("window kv64: decode_batch_2: row ")
+    assert runner.batch_sizes == () and runner.batch_problem == problem
+    runner.close()
