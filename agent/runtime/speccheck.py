@@ -100,12 +100,7 @@ def check_speculation(runner: Runner, profile: DeviceProfile, cache_key: str | N
     else `check_verify` now (kept for the next load). One log line either way."""
     if not isinstance(runner, RunnerBase) or not any(w.verify for w in runner.layout.all_windows()):
         return
-    directory = profile.runtime.xnnpack_weight_cache_dir
-    record = (
-        None
-        if directory is None or cache_key is None
-        else directory / (f"{cache_key}{VERIFY_SUFFIX}")
-    )
+    record = _record(profile, cache_key)
     key = _path_key(runner)
     known = _read(record) if record is not None else {}
     if key in known:
