@@ -92,6 +92,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="add a verify_<N> signature (N tokens in, logits for each out) for speculative "
         "decoding; repeatable",
     )
+    conv.add_argument(
+        "--batch",
+        type=int,
+        action="append",
+        metavar="B",
+        help="add a decode_batch_<B> signature (B sequences decoded in one call, each at its "
+        "own position over its own KV); repeatable",
+    )
     conv.add_argument("--keep-fp32", action="store_true", help="keep the float file")
     out = ap.add_argument_group("model directory")
     out.add_argument("--out", type=Path, required=True)
@@ -151,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         enable_hlfb=not args.no_composites,
         decode_windows=tuple(args.window or ()),
         verify_lens=tuple(args.verify or ()),
+        batch_sizes=tuple(args.batch or ()),
     )
     quants = list(dict.fromkeys(args.quant or ["int8"]))
     print(f"[build_model] {spec.param_count():,} parameters, {spec.to_dict()}", flush=True)

@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from agent.base.errors import RuntimeFailure
 from agent.model.tflite.layout import ModelLayout, Signature, Window
+from agent.runtime.batch import BatchSignature, discover_batch, row_kv_name
 from agent.runtime.runner import Logits, RunnerBase, causal_mask
 
 log = logging.getLogger("agent.runtime.litert")  # moved from litert.py: its lines keep their name
@@ -96,6 +97,7 @@ class CompiledRunner(RunnerBase[_BoundKV]):
         if accelerator == "npu" and not self._model.is_fully_accelerated():
             self.accelerator = "npu+cpu"
         self._io = {s.key: self._make_io(s) for w in layout.all_windows() for s in w.signatures}
+        self._find_batch()
         from ai_edge_litert import tensor_buffer
 
         self._write = tensor_buffer._tb.WriteTensorBuffer  # (capsule, flat array, dtype name)
@@ -131,6 +133,49 @@ class CompiledRunner(RunnerBase[_BoundKV]):
             pos_base=np.arange(sig.length, dtype=np.int32),
             tokens_capsule=tokens.capsule,
             pos_bound=pos_bound,
+        )
+
+    def _find_batch(self) -> None:
+        """The file's batch signatures that fit its layout (`agent.runtime.batch`), with
+        their inputs and logits bound once like decode's; a malformed one is logged and left
+        out."""
+        m = self._model
+
+        def details(key: str) -> tuple[dict[str, Any], dict[str, Any]]:
+            return m.get_input_tensor_details(key), m.get_output_tensor_details(key)
+
+        self._batch_io: dict[str, _SigIO] = {}
+        try:
+            found, problems = discover_batch(m.get_signature_list(), details, self.layout)
+            for problem in problems:
+                log.warning("batch signature not used: %s", problem)
+            self._batch_io = {s.key: self._make_batch_io(s) for v in found.values() for s in v}
+        except (RuntimeError, ValueError, KeyError) as exc:  # never a reason not to load
+            log.warning("batched decode off: its signatures cannot be opened (%s)", exc)
+            self._batch_io.clear()
+            self.batch_problem = f"its signatures cannot be opened: {exc}"
+            return
+        self._batch = found
+        self.batch_problem = None if found else "the file has no batch signatures"
+
+    def _make_batch_io(self, sig: BatchSignature) -> _SigIO:
+        from ai_edge_litert.tensor_buffer import TensorBuffer
+
+        m = self._model
+        array = _aligned_floats(sig.rows * sig.vocab)
+        pos = _aligned_ints(sig.rows)
+        tokens = m.create_input_buffer_by_name(sig.key, "tokens")
+        return _SigIO(
+            tokens=tokens,
+            input_pos=TensorBuffer.create_from_host_memory(pos),  # [B], 1-D like decode's
+            mask=m.create_input_buffer_by_name(sig.key, "mask") if sig.has_mask else None,
+            logits=TensorBuffer.create_from_host_memory(array),
+            logits_array=array,
+            token_array=np.zeros(sig.rows, dtype=np.int32),
+            pos_array=pos,
+            pos_base=pos,
+            tokens_capsule=tokens.capsule,
+            pos_bound=True,
         )
 
     def _buffers(self, window: Window) -> dict[str, Any]:
@@ -210,6 +255,41 @@ class CompiledRunner(RunnerBase[_BoundKV]):
         except RuntimeError as exc:
             raise RuntimeFailure(f"{sig.key} failed: {exc}") from exc
 
+    def _run_batch(
+        self,
+        sig: BatchSignature,
+        owns: Sequence[_BoundKV],
+        tokens: Sequence[int],
+        positions: Sequence[int],
+    ) -> None:
+        io = self._batch_io[sig.key]
+        io.token_array[:] = tokens
+        io.pos_array[:] = positions
+        self._write(io.tokens_capsule, io.token_array, "int32")
+        inputs = {"tokens": io.tokens_capsule, "input_pos": io.input_pos.capsule}
+        if io.mask is not None:
+            io.mask.write(
+                np.concatenate(
+                    [causal_mask(1, p, sig.window, (1, 1, 1, sig.window)) for p in positions]
+                )
+            )
+            inputs["mask"] = io.mask.capsule
+        assert io.logits is not None
+        outputs = {"logits": io.logits.capsule}
+        # Each row binds its session's own buffers, in and out: the update happens in place.
+        for b, own in enumerate(owns):
+            if own.window.length != sig.window:
+                raise ValueError(f"{sig.key} runs KV window {sig.window}, not {own.window.length}")
+            for name, buf in own.buffers.items():
+                inputs[row_kv_name(b, name)] = outputs[row_kv_name(b, name)] = buf.capsule
+        try:
+            self._model._model.RunByName(sig.key, inputs, outputs)
+        except RuntimeError as exc:
+            raise RuntimeFailure(f"{sig.key} failed: {exc}") from exc
+
+    def _batch_logits(self, sig: BatchSignature) -> Logits:
+        return self._batch_io[sig.key].logits_array
+
     def _logits(self, sig: Signature) -> Logits:
         io = self._io[sig.key]
         assert io.logits is not None  # discover_layout checked that decode outputs logits
@@ -217,5 +297,6 @@ class CompiledRunner(RunnerBase[_BoundKV]):
 
     def close(self) -> None:
         self._io.clear()
+        self._batch_io.clear()
         self._model.close()
         self._release_cache_files()

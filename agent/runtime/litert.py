@@ -32,7 +32,7 @@ from agent.runtime.prepare.model import (
     refuse,
 )
 from agent.runtime.runner import Runner
-from agent.runtime.speccheck import check_speculation
+from agent.runtime.speccheck import check_batching, check_speculation
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,9 @@ def load(
             if acc != "npu":
                 runner, kind, prepared = checks.run(runner, kind, acc, prepared, prefer_interpreter)
                 use_plan = cpu[1] if prepared.path != path else plan
-            check_speculation(runner, profile, cache_key if acc == "npu" else prepared.cache_key)
+            checked_key = cache_key if acc == "npu" else prepared.cache_key
+            check_speculation(runner, profile, checked_key)
+            check_batching(runner, profile, checked_key)
             # the checks' calls are each signature's first: lazy initialisation, page faults
             runner.costs.clear()
         except (OSError, RuntimeError, ValueError, AcceleratorError) as exc:

@@ -10,6 +10,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from time import perf_counter
+from types import MappingProxyType
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
@@ -17,6 +18,7 @@ import numpy.typing as npt
 
 from agent.base.errors import ModelFormatError, RuntimeFailure
 from agent.model.tflite.layout import ModelLayout, Signature, Window
+from agent.runtime import batch
 from agent.runtime.costs import CallCosts
 from agent.runtime.plan import plan_prefill
 from agent.runtime.prepare import cachefiles
@@ -92,6 +94,11 @@ class RunnerBase(Generic[_K]):
     _verify_ok = False  # set by `check_verify` (or `allow_verify`, a cached check)
     verify_problem: str | None = None  # why speculation is off, when a check found a reason
     _verify_cached: tuple[ModelLayout | None, tuple[int, ...]] = (None, ())
+    # batched decode (`agent.runtime.batch`): the batch signatures by KV window length, found
+    # by a path that can run them; used only once `check_batch` (or `allow_batch`) passed
+    _batch: Mapping[int, tuple[batch.BatchSignature, ...]] = MappingProxyType({})
+    _batch_ok = False
+    batch_problem: str | None = "this execution path does not batch"
 
     def __init__(self) -> None:
         self.costs = CallCosts(self._signature_for)
@@ -261,6 +268,68 @@ class RunnerBase(Generic[_K]):
         sig = self._window(own).decode
         self._call(sig, own, [token], pos)
         return self._logits(sig)
+
+    # -- batched decode: several sessions' decode steps in one call ---------------------------
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        """Rows per call of the batch signatures that passed the first-load check; () when the
+        file has none, this path cannot run them or they failed (`batch_problem` says why)."""
+        if not self._batch_ok:
+            return ()
+        return tuple(sorted({s.rows for sigs in self._batch.values() for s in sigs}))
+
+    def allow_batch(self, problem: str | None) -> None:
+        """Take the outcome of an earlier load's `check_batch` of the same files and path."""
+        self._batch_ok = problem is None and bool(self._batch)
+        if self._batch:
+            self.batch_problem = problem
+
+    def check_batch(self) -> str | None:
+        """Whether every batch signature gives each row decode's logits and KV rows bit for
+        bit (`agent.runtime.batch.check_batch`); batching is used only then. The first
+        difference as text, or None."""
+        self._batch_ok = False
+        if not self._batch:
+            return self.batch_problem
+        try:
+            problem = batch.check_batch(self)
+        except RuntimeFailure as exc:
+            problem = str(exc)
+        self.batch_problem = problem
+        self._batch_ok = problem is None
+        return problem
+
+    def decode_batch(
+        self, kvs: Sequence[KVCache], tokens: Sequence[int], positions: Sequence[int]
+    ) -> Logits:
+        """Logits [len(kvs), vocab]: one decode step of each cache, `tokens[i]` at
+        `positions[i]`, exactly what `decode` gives each alone. Rows of one KV window run in
+        one call of a batch signature of that many rows where the file has one (the runner's
+        own array then: copy it to keep it); the rest run one by one."""
+        return batch.decode_rows(self, [self._own(kv) for kv in kvs], tokens, positions)  # type: ignore[no-any-return]
+
+    def _call_batch(
+        self,
+        sig: batch.BatchSignature,
+        owns: Sequence[_K],
+        tokens: Sequence[int],
+        positions: Sequence[int],
+    ) -> None:
+        t = perf_counter()
+        self._run_batch(sig, owns, tokens, positions)
+        self.costs.add(sig.key, perf_counter() - t)
+
+    def _run_batch(
+        self,
+        sig: batch.BatchSignature,
+        owns: Sequence[_K],
+        tokens: Sequence[int],
+        positions: Sequence[int],
+    ) -> None:
+        raise NotImplementedError
+
+    def _batch_logits(self, sig: batch.BatchSignature) -> Logits:
+        raise NotImplementedError
 
     # -- speculation: verify signatures ------------------------------------------------------
     @property

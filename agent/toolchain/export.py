@@ -13,6 +13,11 @@ as prefill writes them: what speculative decoding checks N-1 drafted tokens with
 over the weights (the shape LiteRT-LM's multi-token-prediction path asks of a base model).
 With KV windows each window gets ``kv<L>_verify_<N>`` too.
 
+Batched decode (``batch_sizes``, off by default so existing files stay byte-identical):
+``decode_batch_<B>`` runs one decode step for B sequences, each at its own position over its
+own KV tensors (`agent.toolchain.batch` says why that shape); ``kv<L>_decode_batch_<B>`` in
+each KV window.
+
 KV layouts: ``default`` gives K and V [1, kv_max, kv_heads, head_dim]; ``transposed`` gives
 K [1, kv_heads, kv_max, head_dim] and V [1, kv_heads, head_dim, kv_max] (the layout
 LiteRT-LM expects, and faster).
@@ -38,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent import toolchain  # noqa: F401  (installs the tensorflow shim)
+from agent.toolchain.batch import add_batch_signatures
 from agent.toolchain.config import TINY_SPEC, DecoderSpec, to_model_config
 from agent.toolchain.quantize import QUANTIZATIONS, check_block_divides, quantize_file
 
@@ -56,6 +62,7 @@ class ExportOptions:
     output_logits_on_prefill: bool = False
     decode_windows: tuple[int, ...] = ()  # shorter KV lengths exported beside kv_max
     verify_lens: tuple[int, ...] = ()  # verify_<N> signatures: N tokens in, N logits rows out
+    batch_sizes: tuple[int, ...] = ()  # decode_batch_<B>: B sequences decoded in one call
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -79,6 +86,10 @@ class ExportOptions:
                 "shortest prefill length)"
             )
         object.__setattr__(self, "verify_lens", verify)
+        batch = tuple(sorted(set(self.batch_sizes)))
+        if any(b < 2 or b > 16 for b in batch):
+            raise ValueError(f"batch sizes {batch} must be in 2..16")
+        object.__setattr__(self, "batch_sizes", batch)
 
     def window_prefill_lens(self, window: int) -> tuple[int, ...]:
         """The prefill lengths exported for one KV window: those shorter than it."""
@@ -89,9 +100,10 @@ class ExportOptions:
         p = "-".join(str(n) for n in self.prefill_lens)
         w = "".join(f"_w{n}" for n in self.decode_windows)
         v = "".join(f"_v{n}" for n in self.verify_lens)
+        b = "".join(f"_b{n}" for n in self.batch_sizes)
         return (
             f"{self.layout[0]}_p{p}_kv{self.kv_max}_m{int(self.mask_as_input)}"
-            f"_h{int(self.enable_hlfb)}_l{int(self.output_logits_on_prefill)}{w}{v}"
+            f"_h{int(self.enable_hlfb)}_l{int(self.output_logits_on_prefill)}{w}{v}{b}"
         )
 
 
@@ -192,11 +204,12 @@ def convert_fp32(model, spec: DecoderSpec, opts: ExportOptions, out_path: Path) 
         f"[toolchain] converting {spec.num_layers}x{spec.embedding_dim} decoder "
         f"({opts.layout} KV, kv_max {opts.kv_max}, prefill {list(opts.prefill_lens)}, "
         f"mask_as_input={opts.mask_as_input}, composites={opts.enable_hlfb}, "
-        f"KV windows {list(opts.decode_windows)}, verify {list(opts.verify_lens)}) ...",
+        f"KV windows {list(opts.decode_windows)}, verify {list(opts.verify_lens)}, "
+        f"batch {list(opts.batch_sizes)}) ...",
         flush=True,
     )
     with tempfile.TemporaryDirectory(dir=out_path.parent, prefix=".convert-") as tmp:
-        if opts.decode_windows or opts.verify_lens:
+        if opts.decode_windows or opts.verify_lens or opts.batch_sizes:
             written = _convert_sets(model, opts, tmp)
         else:
             written = converter.convert_to_tflite(
@@ -247,7 +260,7 @@ def add_verify_signatures(
 
 def _convert_sets(model, opts: ExportOptions, tmp: str) -> str:
     """`converter.convert_to_tflite` with one more set of signatures per KV window, and the
-    verify signatures of each set.
+    verify and batched decode signatures of each set.
 
     One converter, one module: the signatures share the weights in the written file.
     """
@@ -275,6 +288,7 @@ def _convert_sets(model, opts: ExportOptions, tmp: str) -> str:
             signature_prefix=prefix,
         )
         add_verify_signatures(conv, model, ec, opts.verify_lens, kv_len, prefix)
+        add_batch_signatures(conv, model, ec, opts.batch_sizes, kv_len, prefix)
     out = os.path.join(tmp, "model_sets.tflite")
     conv.convert(quant_config=converter.get_quant_recipe_from_flag("none", model.config)).export(
         out
@@ -342,6 +356,7 @@ def export_tiny(
     spec: DecoderSpec = TINY_SPEC,
     decode_windows: Sequence[int] = (),
     verify_lens: Sequence[int] = (),
+    batch_sizes: Sequence[int] = (),
 ) -> Path:
     """Convert a tiny random-weight decoder (`TINY_SPEC`: 2 layers, dim 128, vocab 256).
 
@@ -356,6 +371,7 @@ def export_tiny(
         enable_hlfb=enable_hlfb,
         decode_windows=tuple(decode_windows),
         verify_lens=tuple(verify_lens),
+        batch_sizes=tuple(batch_sizes),
     )
     out_dir = Path(out_dir)
     prefix = f"tiny_{opts.tag()}_s{seed}"

@@ -55,7 +55,7 @@ TINY_CHAT_TEMPLATE = "{system}\n{user}\n"
 def _toolchain_fingerprint() -> str:
     root = ROOT / "agent" / "toolchain"
     h = hashlib.sha256()
-    for name in ("config.py", "export.py", "quantize.py", "tokenizer.py"):
+    for name in ("config.py", "export.py", "quantize.py", "tokenizer.py", "batch.py"):
         p = root / name
         if p.exists():
             h.update(p.read_bytes())
@@ -122,6 +122,7 @@ class TinyModelFactory:
         enable_hlfb: bool = True,
         decode_windows: Sequence[int] = (),
         verify_lens: Sequence[int] = (),
+        batch_sizes: Sequence[int] = (),
     ) -> Path:
         if LEGACY:
             kwargs = {
@@ -134,6 +135,7 @@ class TinyModelFactory:
                 "enable_hlfb": False,
                 "decode_windows": list(decode_windows),
                 "verify_lens": list(verify_lens),
+                "batch_sizes": list(batch_sizes),
             }
             return _build_elsewhere(self.root, "__call__", kwargs)
         from agent.toolchain.config import TINY_SPEC
@@ -148,6 +150,7 @@ class TinyModelFactory:
             enable_hlfb=enable_hlfb,
             decode_windows=tuple(decode_windows),
             verify_lens=tuple(verify_lens),
+            batch_sizes=tuple(batch_sizes),
         )
         stem = f"tiny_{opts.tag()}_s{seed}"
         target = self.root / f"{stem}_{quantization}.tflite"
@@ -167,6 +170,7 @@ class TinyModelFactory:
                     enable_hlfb=enable_hlfb,
                     decode_windows=opts.decode_windows,
                     verify_lens=opts.verify_lens,
+                    batch_sizes=opts.batch_sizes,
                 )
                 assert made == fp32, (made, fp32)
             if quantization != "fp32":

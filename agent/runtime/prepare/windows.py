@@ -24,6 +24,7 @@ from agent.runtime.prepare.overlay import Graph, Old, Overlay
 SHAPE_OPERAND_MAX: Final = 8  # an int32 constant this short holding L is a shape operand
 _PREFILL = re.compile(r"^prefill(?:_(\d+))?$")
 _VERIFY = re.compile(r"^verify(?:_(\d+))?$")
+_BATCH = re.compile(r"^decode_batch_\d+$")  # batched decode (`agent.runtime.batch`)
 _T = schema.TensorType
 _INTEGER: Final = frozenset({_T.INT32, _T.INT64})
 _DTYPES: Final = {
@@ -245,8 +246,9 @@ def _clone(
 def add_windows(
     ov: Overlay, length: int, windows: tuple[int, ...], read: Reader
 ) -> tuple[int, ...]:
-    """Add ``kv<W>_decode``, ``kv<W>_prefill_<N>`` (N from `window_prefills`) and a
-    ``kv<W>_verify_<N>`` for each verify signature shorter than W to `ov` (the copy being
+    """Add ``kv<W>_decode``, ``kv<W>_prefill_<N>`` (N from `window_prefills`), a
+    ``kv<W>_verify_<N>`` for each verify signature shorter than W and a ``kv<W>_decode_batch_<B>``
+    for each batched decode signature to `ov` (the copy being
     prepared, `agent.runtime.prepare.overlay`) for each W in `windows`; the windows added. `read`
     returns the bytes of a buffer stored after the flatbuffer (a large model's). Raises
     `WindowsRefused` (nothing changed) when the graph cannot be rewritten safely.
@@ -280,6 +282,7 @@ def add_windows(
         raise WindowsRefused("the file already has KV windows")
     prefill = {k: _tokens(ov, i) for k, i in sigs.items() if _PREFILL.match(k)}
     verify = {k: _tokens(ov, i) for k, i in sigs.items() if _VERIFY.match(k)}
+    batch = sorted(k for k in sigs if _BATCH.match(k))
     subgraphs, buffers = list(ov.subgraphs), list(ov.buffers)
     added: list[Any] = []
     shared: dict[bytes, int] = {}
@@ -288,7 +291,7 @@ def add_windows(
             lengths = window_prefills(prefill.values(), w)
             chosen = [sorted(k for k, m in prefill.items() if m == n)[0] for n in lengths]
             fits = sorted(k for k, m in verify.items() if m < w)  # every verify length
-            for key in ("decode", *chosen, *fits):
+            for key in ("decode", *chosen, *fits, *batch):
                 sig = ov.signature(sigs[key])  # a copy
                 ov.subgraphs.append(_clone(ov, sig.subgraphIndex, length, w, shared, read))
                 sig.subgraphIndex = len(ov.subgraphs) - 1
