@@ -193,3 +193,60 @@ def test_mender_installs_rolls_back_and_commits_through_the_update_module(
         assert d.client().generate(_req()).finish_reason in ("length", "stop")  # it serves
     finally:
         assert d.stop() == 0, d.read_log()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agent", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_update_install_commit_rollback_and_status_from_the_command_line(
+    models: Models,  # noqa: F811
+    trusted: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    d = Daemon(tmp_path, models.base, config(trusted, 1.0))
+    try:
+        sock = ["--admin-socket", str(admin_socket(d.socket))]
+        shipped = d.client().info()["sha256"]
+        # nothing installed yet: status is NOT_FOUND, one line, exit 2
+        r = _cli("update", "status", *sock)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert "none was installed" in r.stderr
+        # a file that is not a bundle: exit 2, one line, the daemon untouched
+        junk = tmp_path / "junk.tar"
+        junk.write_bytes(b"not a bundle")
+        r = _cli("update", "install", str(junk), *sock)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        # installed with --commit external: it returns once the trial passed, waiting
+        r = _cli(
+            "update",
+            "install",
+            str(bundle(models, tmp_path, version=2)),
+            "--commit",
+            "external",
+            *sock,
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert ": TRIAL: trial passed; waiting" in r.stdout, r.stdout
+        st = json.loads(_cli("update", "status", "--json", *sock).stdout)
+        assert st["phase"] == "TRIAL" and d.client().info()["sha256"] != shipped
+        r = _cli("update", "rollback", *sock)
+        assert r.returncode == 0 and ": ROLLED_BACK: " in r.stdout, r.stdout + r.stderr
+        assert d.client().info()["sha256"] == shipped
+        # a commit of the update that rolled back: FAILED_PRECONDITION, exit 2
+        r = _cli("update", "commit", st["update_id"], *sock)
+        assert r.returncode == 2 and "cannot commit" in r.stderr, r.stderr
+        # installed with the default (the trial commits): returns once committed
+        r = _cli("update", "install", str(bundle(models, tmp_path, version=3)), *sock)
+        assert r.returncode == 0 and ": COMMITTED: " in r.stdout, r.stdout + r.stderr
+        assert d.client().info()["sha256"] != shipped
+        # the same version again: rejected (exit 1, the reason printed)
+        r = _cli("update", "install", str(bundle(models, tmp_path, version=3)), *sock)
+        assert r.returncode == 1 and ": REJECTED: " in r.stdout, r.stdout + r.stderr
+    finally:
+        assert d.stop() == 0, d.read_log()
+    # no daemon at the socket: exit 2 naming it
+    r = _cli("update", "status", *sock)
+    assert r.returncode == 2 and "no edge-agent daemon answers" in r.stderr, r.stderr
