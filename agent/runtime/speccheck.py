@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Final
@@ -68,30 +69,16 @@ def check_batching(runner: Runner, profile: DeviceProfile, cache_key: str | None
     if not runner._batch:
         log.debug("no batched decode: %s", runner.batch_problem)
         return
-    record = _record(profile, cache_key)
-    key = f"batch {_path_key(runner)}"
-    known = _read(record) if record is not None else {}
-    if key in known:
-        outcome = known[key]
-        runner.allow_batch(None if outcome == ALLOWED else outcome)
-        if outcome != ALLOWED:
-            log.warning("batched decode off: an earlier load found %s", outcome)
-        return
-    problem = runner.check_batch()
-    give_back_memory()
-    if problem is None:
-        log.info(
-            "batched decode allowed: batch signatures %s match decode bit for bit",
-            list(runner.batch_sizes),
-        )
-    else:
-        log.warning("batched decode off for this model: %s", problem)
-    if record is not None:
-        known[key] = ALLOWED if problem is None else problem
-        try:
-            record.write_text(json.dumps(known, indent=1) + "\n")
-        except OSError as exc:  # the next load checks again
-            log.warning("cannot keep the batch check's outcome (%s)", exc)
+    _checked(
+        profile,
+        cache_key,
+        f"batch {_path_key(runner)}",
+        runner.check_batch,
+        runner.allow_batch,
+        lambda: f"batched decode allowed: batch signatures {list(runner.batch_sizes)}",
+        "batched decode off",
+        "batch",
+    )
 
 
 def check_speculation(runner: Runner, profile: DeviceProfile, cache_key: str | None) -> None:
@@ -100,27 +87,47 @@ def check_speculation(runner: Runner, profile: DeviceProfile, cache_key: str | N
     else `check_verify` now (kept for the next load). One log line either way."""
     if not isinstance(runner, RunnerBase) or not any(w.verify for w in runner.layout.all_windows()):
         return
+    _checked(
+        profile,
+        cache_key,
+        _path_key(runner),
+        runner.check_verify,
+        runner.allow_verify,
+        lambda: f"speculation allowed: verify signatures {list(runner.verify_lengths)}",
+        "speculation off",
+        "verify",
+    )
+
+
+def _checked(
+    profile: DeviceProfile,
+    cache_key: str | None,
+    key: str,
+    check: Callable[[], str | None],
+    allow: Callable[[str | None], None],
+    allowed: Callable[[], str],
+    off: str,
+    what: str,
+) -> None:
+    """One check and its kept outcome: the record's line `key` when an earlier load wrote
+    it (`allow` takes it), else `check` now, logged, and kept for the next load."""
     record = _record(profile, cache_key)
-    key = _path_key(runner)
     known = _read(record) if record is not None else {}
     if key in known:
         outcome = known[key]
-        runner.allow_verify(None if outcome == ALLOWED else outcome)
+        allow(None if outcome == ALLOWED else outcome)
         if outcome != ALLOWED:
-            log.warning("speculation off: an earlier load found %s", outcome)
+            log.warning("%s: an earlier load found %s", off, outcome)
         return
-    problem = runner.check_verify()
+    problem = check()
     give_back_memory()
     if problem is None:
-        log.info(
-            "speculation allowed: verify signatures %s match decode bit for bit",
-            list(runner.verify_lengths),
-        )
+        log.info("%s match decode bit for bit", allowed())
     else:
-        log.warning("speculation off for this model: %s", problem)
+        log.warning("%s for this model: %s", off, problem)
     if record is not None:
         known[key] = ALLOWED if problem is None else problem
         try:
             record.write_text(json.dumps(known, indent=1) + "\n")
         except OSError as exc:  # the next load checks again
-            log.warning("cannot keep the verify check's outcome (%s)", exc)
+            log.warning("cannot keep the %s check's outcome (%s)", what, exc)

@@ -11,7 +11,7 @@ Layout (mendersoftware/mender-artifact, Documentation/artifact-format-v3.md): an
 `version`, `manifest` (sha256 of `version`, `header.tar.gz` and each payload file), the optional
 `manifest.sig`, `header.tar.gz` (`header-info`, `headers/0000/type-info`, `meta-data`) and
 `data/0000.tar.gz` holding the bundle. Every member has mtime 0 and owner 0, so the same bundle
-and options give the same bytes. Written atomically (temp file, fsync, rename).
+and options give the same bytes. Written atomically (`agent.base.fsutil.atomic_write`).
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import IO, Any, Final
 
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa, utils
 
 from agent.base.errors import AgentError
+from agent.base.fsutil import atomic_write
 
 PAYLOAD_TYPE: Final = "edge-agent-model"
 FORMAT_VERSION: Final = 3
@@ -167,26 +168,20 @@ def write_artifact(
             key=lambda line: line.split("  ", 1)[1],
         )
         manifest = ("\n".join(lines) + "\n").encode()
-        tmp = out.with_name(f".{out.name}.tmp")
-        try:
-            with open(tmp, "wb") as raw:
-                with tarfile.open(fileobj=raw, mode="w", format=tarfile.GNU_FORMAT) as tar:
-                    tar.addfile(_info("version", len(version)), io.BytesIO(version))
-                    tar.addfile(_info("manifest", len(manifest)), io.BytesIO(manifest))
-                    if key is not None:
-                        sig = sign_manifest(manifest, key)
-                        tar.addfile(_info("manifest.sig", len(sig)), io.BytesIO(sig))
-                    tar.addfile(_info("header.tar.gz", len(head)), io.BytesIO(head))
-                    data.seek(0, os.SEEK_END)
-                    n = data.tell()
-                    data.seek(0)
-                    tar.addfile(_info("data/0000.tar.gz", n), data)
-                raw.flush()
-                os.fsync(raw.fileno())
-            os.replace(tmp, out)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+
+        def write(raw: IO[bytes]) -> None:
+            with tarfile.open(fileobj=raw, mode="w", format=tarfile.GNU_FORMAT) as tar:
+                tar.addfile(_info("version", len(version)), io.BytesIO(version))
+                tar.addfile(_info("manifest", len(manifest)), io.BytesIO(manifest))
+                if key is not None:
+                    sig = sign_manifest(manifest, key)
+                    tar.addfile(_info("manifest.sig", len(sig)), io.BytesIO(sig))
+                tar.addfile(_info("header.tar.gz", len(head)), io.BytesIO(head))
+                n = data.seek(0, os.SEEK_END)
+                data.seek(0)
+                tar.addfile(_info("data/0000.tar.gz", n), data)
+
+        atomic_write(out, write, mode=0o644)
 
 
 class _Hashing(io.RawIOBase):
