@@ -104,8 +104,10 @@ class DaemonUpdateHost:
         session was used (agent/ota/switch/gate.py: a request that came and went between two
         looks counts too); no engine (a reload) counts as running."""
         e = self._serving.engine
-        if e is None or self._serving.state != "serving":
+        if self._serving.state != "serving":
             return 1, None
+        if e is None:  # the default model is unloaded: idle (agent.daemon.models)
+            return 0, "unloaded"
         stats = e.stats()
         used = tuple((s.id, s.last_used, s.tokens) for s in e.list_sessions(None))
         return stats.active + stats.queue_depth, (stats.requests_total, used)

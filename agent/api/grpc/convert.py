@@ -12,6 +12,8 @@ carries the calls it holds.
 
 from __future__ import annotations
 
+import math
+
 from agent.base.errors import InvalidRequest
 from agent.chat.template import ChatMessage, check_messages
 from agent.chat.toolcalls import Parsed, read_answer, reading_of
@@ -234,6 +236,24 @@ def status_message(st: AgentStatus) -> pb.AgentStatus:
         msg.run.CopyFrom(figures_message(st.run))
     if st.previous is not None:
         msg.previous.CopyFrom(figures_message(st.previous))
+    for m in st.models:
+        msg.models.add(
+            name=m.name,
+            version=m.version,
+            quantization=m.quantization,
+            context_length=m.context_length,
+            default=m.default,
+            loaded=m.loaded,
+            pinned=m.pinned,
+            keep_alive_s=-1.0 if math.isinf(m.keep_alive_s) else m.keep_alive_s,
+            planned_bytes=m.planned_bytes,
+            estimate_bytes=m.estimate_bytes,
+            loads=m.loads,
+            unloads=m.unloads,
+            evictions=m.evictions,
+            last_load_s=m.last_load_s,
+            active=m.active,
+        )
     return msg
 
 
