@@ -61,6 +61,7 @@ class Slot:
         self.loads = self.unloads = self.evictions = 0
         self.last_load_s = 0.0
         self.last_info: ModelInfo | None = None  # its engine's, kept when it unloads
+        self.closing: Engine | None = None  # unloading: no request reaches it, its bytes held
 
     @property
     def engine(self) -> Engine | None:
@@ -81,6 +82,12 @@ class Slot:
 
 
 Load = Callable[[Plan, int], Awaitable[Engine]]
+
+
+def held(slot: Slot) -> int:
+    """What a slot's engine holds of the budget: loaded, or unloading until it has closed."""
+    e = slot.engine or slot.closing
+    return e.memory.total if e is not None else 0
 
 
 class Models:
@@ -137,9 +144,8 @@ class Models:
         return self.resolve(name).engine
 
     def loaded_bytes(self, but: Slot | None = None) -> int:
-        return sum(
-            s.engine.memory.total for s in self.slots if s is not but and s.engine is not None
-        )
+        """Bytes the loaded engines hold (an unloading one's until it has closed)."""
+        return sum(held(s) for s in self.slots if s is not but)
 
     def budget(self) -> int:
         return self.default.spec.plan.profile.runtime.max_num_bytes
@@ -197,9 +203,9 @@ class Models:
         for good when the pinned models leave too little, for now when the rest are busy."""
         assert slot.need is not None
         others = [s for s in self.slots if s is not slot and s.engine is not None]
-        held = sum(s.engine.memory.total for s in others if s.spec.pinned and s.engine)
+        pinned = sum(held(s) for s in others if s.spec.pinned)
         idle = [s for s in others if not s.spec.pinned and not self._in_use(s)]
-        if idle and held + slot.need <= budget:
+        if idle and pinned + slot.need <= budget:
             victim = min(idle, key=lambda s: s.last_used)
             victim.evictions += 1
             await self.unload(victim, f"evicted for {slot.spec.name}")
@@ -213,7 +219,7 @@ class Models:
             f"model {slot.spec.name!r} needs {slot.need / MIB:.1f} MiB; the budget "
             f"(runtime.max_num_bytes = {budget / MIB:.1f} MiB) is held by {what}"
         )
-        if held + slot.need > budget:  # the pinned ones alone leave too little: for good
+        if pinned + slot.need > budget:  # the pinned ones alone leave too little: for good
             raise ModelTooLarge(text)
         raise BudgetBusy(text + "; try again when they are idle")
 
@@ -225,6 +231,7 @@ class Models:
         if engine is None:
             return
         slot.serving.engine, slot.last_info = None, engine.info
+        slot.closing = engine
         freed = engine.memory.total
         timeout = self._drain_timeout()
 
@@ -235,7 +242,10 @@ class Models:
             engine.close()
             give_back_memory()
 
-        await asyncio.get_running_loop().run_in_executor(None, stop)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, stop)
+        finally:
+            slot.closing = None
         slot.unloads += 1
         log.info("model %s unloaded (%s): %.1f MiB freed", slot.spec.name, why, freed / MIB)
 
@@ -271,8 +281,8 @@ class Models:
     def states(self) -> tuple[ModelState, ...]:
         out = []
         for s in self.slots:
-            e, plan = s.engine, s.serving.plan or s.spec.plan
-            st = e.stats() if e is not None else None
+            e, plan = s.engine or s.closing, s.serving.plan or s.spec.plan
+            st = s.engine.stats() if s.engine is not None else None
             out.append(
                 ModelState(
                     name=s.spec.name,
