@@ -8,6 +8,7 @@ stays, and a model that cannot fit is refused naming the budget."""
 from __future__ import annotations
 
 import re
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -255,5 +256,43 @@ def test_lru_eviction_keeps_the_pinned_model_and_refuses_what_cannot_fit(
         assert g.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         st = models_of(c)  # the refusal evicted nothing
         assert {n for n, m in st.items() if m["loaded"]} == {"a", "b", "d"}, st
+    finally:
+        assert d.stop() == 0, d.read_log()
+
+
+def test_a_busy_model_is_not_evicted_the_load_is_refused_until_it_is_idle(
+    budget_profile: Path, tiny_model_dir, tmp_path
+) -> None:
+    """Room held by a model with a request queued (its engine thread stalled by fault
+    injection, so "busy" does not depend on timing) and by pinned ones: the load is a 429 /
+    RESOURCE_EXHAUSTED saying so; once the request is done, the same load evicts it."""
+    table = "".join(
+        f'[models.{n}]\npath = "{tiny_model_dir}"\n' + ("pinned = true\n" if n in "yz" else "")
+        for n in "xyzw"
+    )
+    d = Daemon(tmp_path, None, f"[models]\n{table}", profile=str(budget_profile))
+    try:
+        c = d.client()
+        want = c.generate(req("y")).tokens
+        assert c.generate(req("z")).tokens == want
+        d.signal(signal.SIGUSR2)  # the default model's (x's) engine thread stalls
+        d.wait_log("fault injection: stalling the engine thread")
+        waiting = c.stream(req("x"))
+        until(lambda: int(models_of(c)["x"].get("active", 0)) >= 1, lambda: str(models_of(c)))
+        with pytest.raises(openai.RateLimitError) as e:
+            sdk(d).completions.create(model="w", prompt=PROMPT, max_tokens=2)
+        assert "'w'" in str(e.value) and "x " in str(e.value) and "busy" in str(e.value)
+        with pytest.raises(grpc.RpcError) as g:
+            c.generate(req("w"))
+        assert g.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert ("edge-agent-error", "BudgetBusy") in (g.value.trailing_metadata() or ())
+        assert models_of(c)["x"]["loaded"] is True  # the refusal evicted nothing
+        d.signal(signal.SIGUSR2)  # the stall ends: x's request runs to its end
+        assert [t for m in waiting for t in m.token_ids] == want
+        until(lambda: int(models_of(c)["x"].get("active", 0)) == 0, lambda: str(models_of(c)))
+        assert c.generate(req("w")).tokens == want
+        st = models_of(c)
+        assert {n for n, m in st.items() if m["loaded"]} == {"y", "z", "w"}, st
+        assert int(st["x"]["evictions"]) == 1
     finally:
         assert d.stop() == 0, d.read_log()
