@@ -76,6 +76,15 @@ def model_of(body: Mapping[str, Any]) -> tuple[str, float | None]:
     return model or "", keep_alive
 
 
+def answer_model(body: Mapping[str, Any], names: list[str], metadata_name: str | None) -> str:
+    """The `model` an answer names: the one model's metadata name when there is no
+    `[models]` (as before), else the name of the model that answered."""
+    if metadata_name is not None or not names:
+        return metadata_name or ""
+    asked = model_of(body)[0]
+    return asked if asked in names else names[0]
+
+
 def _integer(body: Mapping[str, Any], name: str) -> int | None:
     v = body.get(name)
     if v is None:

@@ -243,10 +243,9 @@ class Api:
         self, request: Request, body: Any, parse: Callable[..., convert.Parsed], *, chat: bool
     ) -> Response:
         engine, parsed, handle, events = await self._on_current(request, body, parse)
-        states = self._backend.model_states()  # several: the name asked for (or the default)
-        model = (
-            (convert.model_of(body)[0] or states[0].name) if len(states) > 1 else engine.info.name
-        )
+        names = [m.name for m in self._backend.model_states()]
+        named = bool(self._backend.config.models.entries)
+        model = convert.answer_model(body, names, engine.info.name if not named else None)
         created = int(time.time())
         if parsed.stream:
             stream = self._stream(
