@@ -331,14 +331,10 @@ class Daemon:
             self._tick()
 
     def _tick(self) -> None:
-        e = self._serving.engine
-        if e is None:
-            if self._serving.state == "serving":  # the default model is unloaded, not wedged
-                self.notifier.watchdog()
-                if self._prober is not None:
-                    self._prober.tick(None)
+        e, serving = self._serving.engine, self._serving.state == "serving"
+        if e is None and not serving:  # between engines (a reload that drains first)
             return
-        age = e.heartbeat_age()
+        age = e.heartbeat_age() if e is not None else 0.0  # unloaded: no thread to wedge
         if age < self.config.watchdog.engine_stall_s:
             self.notifier.watchdog()
         else:
@@ -351,7 +347,7 @@ class Daemon:
         if self._fleet is not None:
             self._fleet.tick()
         if self._prober is not None:
-            self._prober.tick(e if self._serving.state == "serving" else None)
+            self._prober.tick(e if serving else None)
         self._observe_runs()
 
     def _engine_drained(self, engine: Engine) -> None:
@@ -374,6 +370,7 @@ class Daemon:
         try:
             config = apply_overrides(load_config(self.overrides.config_path), self.overrides)
             plan = with_update(load_plan(config, self.overrides), self._updater)
+            specs = model_specs(config, plan)  # every model's metadata read before a change
             if config.fleet != self.config.fleet:
                 log.warning("reload: [fleet] changes take effect at the next restart")
             if config.http != self.config.http:
@@ -387,6 +384,8 @@ class Daemon:
             else:
                 log.info("reload: model and profile unchanged")
                 done.message = "model and profile unchanged"
+            if self._models is not None:
+                await self._models.update(specs)
         except Exception as exc:  # a bad new config keeps the old one serving
             log.error("reload failed, keeping the previous model: %s", exc)
             done.ok, done.message = False, f"reload failed, the previous model serves: {exc}"

@@ -265,6 +265,31 @@ class Models:
                         )
                         await self.unload(slot, why)
 
+    async def update(self, specs: tuple[ModelSpec, ...]) -> None:
+        """A reload's models: one whose plan is unchanged keeps its engine (its keep_alive and
+        pinning as now configured); one removed or changed unloads (its running requests may
+        finish within `limits.reload_drain_s`), and a new or changed one loads on use. The
+        default model's engine is switched by its `Serving` (the reload's)."""
+        async with self._lock:
+            old = {s.spec.name: s for s in self.slots[1:]}
+            self.default.spec = specs[0]
+            slots = [self.default]
+            for spec in specs[1:]:
+                slot = old.pop(spec.name, None)
+                if slot is not None and slot.spec.plan != spec.plan:
+                    await self.unload(slot, "its model changed (reload)")
+                    slot = None
+                if slot is None:
+                    slot = Slot(spec, Serving(self._never, self._drain_timeout), False)
+                    slot.serving.state = "serving"
+                slot.spec = spec
+                slot.keep_alive_s = spec.keep_alive_s
+                slots.append(slot)
+            for slot in old.values():
+                await self.unload(slot, "no longer configured (reload)")
+            self.slots = slots
+            self._by_name = {s.spec.name: s for s in slots}
+
     async def stop_others(self, timeout: float) -> None:
         """At shutdown: every model but the default drains within `timeout` and unloads."""
         loop = asyncio.get_running_loop()

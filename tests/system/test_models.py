@@ -204,6 +204,30 @@ def test_a_request_keep_alive_unloads_even_the_default_model(several: Daemon) ->
     assert st["keep_alive_s"] == -1.0  # a request without keep_alive: the configured again
 
 
+def test_a_reload_applies_models_changes(several: Daemon) -> None:
+    """SIGHUP: a model whose file and variant are unchanged keeps its engine under its new
+    keep_alive; a removed one is gone (NOT_FOUND), a new one loads on use. (Last of the tests
+    on this daemon: it changes its models.)"""
+    c = several.client()
+    c.generate(req("demo"))
+    loads = int(models_of(c)["demo"]["loads"])
+    text = several.config.read_text()
+    several.config.write_text(
+        text.replace("[models.brief]", "[models.brief2]").replace('"5m"', '"1h"')
+    )
+    since = several.notify.mark("reload")
+    several.signal(signal.SIGHUP)
+    several.notify.wait_for("READY", "1", since=since)
+    st = models_of(c)
+    assert list(st) == ["tiny", "demo", "brief2"]
+    assert st["demo"]["loaded"] is True and int(st["demo"]["loads"]) == loads
+    assert st["demo"]["keep_alive_s"] == 3600.0
+    with pytest.raises(grpc.RpcError) as g:
+        c.generate(req("brief"))
+    assert g.value.code() == grpc.StatusCode.NOT_FOUND
+    assert c.generate(req("brief2")).tokens == c.generate(req("tiny")).tokens
+
+
 @pytest.fixture(scope="module")
 def budget_profile(tmp_path_factory, tiny_model_dir) -> Path:
     """The dev profile with a budget that holds three of the tiny model's engines but not
