@@ -7,8 +7,11 @@ stays, and a model that cannot fit is refused naming the budget."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -116,6 +119,10 @@ def test_each_model_answers_by_name_with_its_own_tokens(
         done = api.completions.create(model=name, prompt=PROMPT, max_tokens=8, temperature=0)
         assert done.model == name and done.choices[0].text == want_text
     assert models_of(c)["demo"]["loaded"] is True
+    cli = [sys.executable, "-m", "agent", "client", "generate", PROMPT, "--model", "demo"]
+    cli += ["--max-tokens", "8", "--temperature", "0", "--json", "--socket", str(several.socket)]
+    done_cli = subprocess.run(cli, capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(done_cli.stdout)["tokens"] == c.generate(req("demo")).tokens
     # no name: the default (first) model, as with one model
     assert c.generate(req("")).tokens == c.generate(req("tiny")).tokens
     assert c.info()["name"] == "tiny-test"
