@@ -12,8 +12,6 @@ carries the calls it holds.
 
 from __future__ import annotations
 
-import math
-
 from agent.base.errors import InvalidRequest
 from agent.chat.template import ChatMessage, check_messages
 from agent.chat.toolcalls import Parsed, read_answer, reading_of
@@ -26,7 +24,7 @@ from agent.engine.types import GenerateRequest, SessionInfo, TierStats, TokenEve
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from agent.status.runs import ModelRun
 from agent.status.value import AgentStatus
-from agent.wire.status import tiers_message
+from agent.wire.status import named_model_message, tiers_message
 
 FINISH = {
     "stop": pb.FINISH_REASON_STOP,
@@ -236,24 +234,7 @@ def status_message(st: AgentStatus) -> pb.AgentStatus:
         msg.run.CopyFrom(figures_message(st.run))
     if st.previous is not None:
         msg.previous.CopyFrom(figures_message(st.previous))
-    for m in st.models:
-        msg.models.add(
-            name=m.name,
-            version=m.version,
-            quantization=m.quantization,
-            context_length=m.context_length,
-            default=m.default,
-            loaded=m.loaded,
-            pinned=m.pinned,
-            keep_alive_s=-1.0 if math.isinf(m.keep_alive_s) else m.keep_alive_s,
-            planned_bytes=m.planned_bytes,
-            estimate_bytes=m.estimate_bytes,
-            loads=m.loads,
-            unloads=m.unloads,
-            evictions=m.evictions,
-            last_load_s=m.last_load_s,
-            active=m.active,
-        )
+    msg.models.extend(named_model_message(m) for m in st.models)
     return msg
 
 
