@@ -258,7 +258,9 @@ class Daemon:
         )
         self._start_fleet()
         self._updater.blocks = self._fleet.link if self._fleet is not None else None
-        host = DaemonUpdateHost(s, self._updater, lambda: self.config, self._fleet, self._prober)
+        host = DaemonUpdateHost(
+            s, self._updater, lambda: self.config, self._fleet, self._prober, self.engine_for
+        )
         self._updater.attach(host)
         await self._updater.resume()
         self.notifier.ready(self._serving.status_line())
