@@ -100,20 +100,21 @@ class Models:
         load: Load,
         drain_timeout: Callable[[], float],
         drained: Callable[[Engine], None],
-        held: Callable[[], bool] = lambda: False,
+        probing: Callable[[], bool] = lambda: False,
     ) -> None:
-        self.slots = [
-            Slot(s, default if i == 0 else Serving(self._never, drain_timeout), i == 0)
-            for i, s in enumerate(specs)
-        ]
-        for slot in self.slots[1:]:
-            slot.serving.state = "serving"
-        self._by_name = {s.spec.name: s for s in self.slots}
         self._load = load
         self._drain_timeout = drain_timeout
         self._drained = drained  # the default model's engine unloaded: its last counts
-        self._held = held  # the default model's engine is in use outside requests (a probe)
+        self._probing = probing  # the default model's engine is in use outside requests
         self._lock = asyncio.Lock()  # one load or eviction at a time
+        self.slots = [Slot(specs[0], default, True), *(self._slot(s) for s in specs[1:])]
+        self._by_name = {s.spec.name: s for s in self.slots}
+
+    def _slot(self, spec: ModelSpec) -> Slot:
+        """A model other than the default: a `Serving` that only this registry fills."""
+        slot = Slot(spec, Serving(self._never, self._drain_timeout), False)
+        slot.serving.state = "serving"
+        return slot
 
     @staticmethod
     async def _never(plan: Plan) -> Engine:
@@ -224,7 +225,7 @@ class Models:
         raise BudgetBusy(text + "; try again when they are idle")
 
     def _in_use(self, slot: Slot) -> bool:
-        return slot.busy() > 0 or (slot.default and self._held())
+        return slot.busy() > 0 or (slot.default and self._probing())
 
     async def unload(self, slot: Slot, why: str) -> None:
         engine = slot.serving.engine
@@ -280,8 +281,7 @@ class Models:
                     await self.unload(slot, "its model changed (reload)")
                     slot = None
                 if slot is None:
-                    slot = Slot(spec, Serving(self._never, self._drain_timeout), False)
-                    slot.serving.state = "serving"
+                    slot = self._slot(spec)
                 slot.spec = spec
                 slot.keep_alive_s = spec.keep_alive_s
                 slots.append(slot)
