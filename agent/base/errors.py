@@ -43,6 +43,11 @@ class BudgetError(AgentError):
     """Something does not fit the profile's memory budget; the message carries the numbers."""
 
 
+class ModelTooLarge(BudgetError):
+    """A model that cannot load even with every other unpinned model unloaded: no retry helps
+    (RESOURCE_EXHAUSTED; HTTP 400 `model_too_large`, as a too-long prompt's is a 400)."""
+
+
 class AcceleratorError(AgentError):
     """No accelerator in the profile's chain could be brought up."""
 
@@ -103,6 +108,11 @@ class QuotaExceeded(Overloaded):
             f"client over its quota: it holds {held} and quotas.{quota} = {value} per client "
             f"key; {remedy}"
         )
+
+
+class BudgetBusy(Overloaded):
+    """A model cannot load now: the byte budget is held by models with requests running;
+    it may once they are idle (RESOURCE_EXHAUSTED; HTTP 429 with Retry-After)."""
 
 
 class NotFound(AgentError):

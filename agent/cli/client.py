@@ -62,6 +62,7 @@ def generate(
         speculation=args.speculation,
         **penalty_fields(args),
     )
+    request.model = args.model or ""  # [models]: which one (docs/API.md "Several models")
     got = Partial()
     started = time.monotonic()
     error: str | None = None
@@ -233,6 +234,7 @@ def add_client_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     p = csub.add_parser("generate", help="stream a completion through the daemon")
     p.add_argument("prompt", help="the prompt; - reads it from stdin")
     p.add_argument("--session", help="continue this session")
+    p.add_argument("--model", help="which of the daemon's models (default: its default one)")
     _client_common(p)
     _sampling_args(p)
     p.set_defaults(func=cmd_client_generate)
@@ -253,6 +255,7 @@ def add_client_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         help="an earlier message (user:... or assistant:...), in order, before MESSAGE",
     )
     p.add_argument("--session", help="continue this session")
+    p.add_argument("--model", help="which of the daemon's models (default: its default one)")
     _client_common(p)
     _sampling_args(p)
     p.set_defaults(func=cmd_client_chat)

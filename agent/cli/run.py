@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent.cli.common import _profile_arg, _profile_name
+
+if TYPE_CHECKING:
+    from agent.config.models import ModelEntry
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -13,10 +17,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from agent.daemon import Overrides, run_daemon
     from agent.systemd.notify import configure_logging
 
+    one, models = model_args(args.model or [])
     overrides = Overrides(
         config_path=Path(args.config) if args.config else None,
         profile=_profile_name(args),
-        model=Path(args.model).resolve() if args.model else None,
+        model=one,
+        models=models,
         quantization=args.quantization,
         # absolute, not resolved: a symbolic link given as --socket is refused as one
         socket=Path(args.socket).absolute() if args.socket else None,
@@ -31,12 +37,38 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_daemon(overrides)
 
 
+def model_args(values: list[str]) -> tuple[Path | None, tuple[ModelEntry, ...]]:
+    """`--model PATH` once: the one model, as ever; `--model NAME=PATH` or several: named
+    models (a name defaults to the file's stem) that replace the config's `[models]`."""
+    from agent.base.errors import ConfigError
+    from agent.config.models import ModelEntry, check_name
+
+    if len(values) == 1 and "=" not in values[0]:
+        return Path(values[0]).resolve(), ()
+    entries: list[ModelEntry] = []
+    for v in values:
+        name, sep, path = v.partition("=")
+        if not sep or "/" in name:  # a path with "=" in it
+            name, path = "", v
+        path_ = Path(path).resolve()
+        name = check_name("--model", "model", name or path_.stem)
+        if any(e.name == name for e in entries):
+            raise ConfigError("--model", "model", v, f"a name not given twice ({name!r} is)")
+        entries.append(ModelEntry(name, path_))
+    return None, tuple(entries)
+
+
 def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``run`` to the CLI's subparsers (sets `func`)."""
     p = subparsers.add_parser("run", help="run the daemon (gRPC on a unix socket)")
     _profile_arg(p)
     p.add_argument(
-        "--model", help="model directory or .litertlm (default: config, profile, demo model)"
+        "--model",
+        action="append",
+        metavar="[NAME=]PATH",
+        help="model directory or .litertlm (default: config, profile, demo model); give it "
+        "again for several models in one budget, each addressed by NAME (default: the file's "
+        "stem; the first is the default model)",
     )
     p.add_argument("--quantization", help="pick this variant instead of the profile's choice")
     p.add_argument("--socket", help="unix socket path (default: /run/edge-agent/agent.sock)")

@@ -26,6 +26,7 @@ from agent.config.fleet import MQTT_PROTOCOLS as MQTT_PROTOCOLS
 from agent.config.fleet import Broker as Broker
 from agent.config.fleet import FleetConfig as FleetConfig
 from agent.config.fleet import parse_broker as parse_broker
+from agent.config.models import ModelsConfig, parse_models
 from agent.config.probe import PROBE, ProbeConfig, parse_probe
 from agent.config.window import SWITCH_KEYS, SwitchConfig, parse_switch
 
@@ -46,6 +47,7 @@ TOP = (
     "http",
     "quotas",
     "probe",
+    "models",
 )
 SERVER = (
     "socket",
@@ -245,6 +247,7 @@ class AgentConfig:
     http: HttpConfig = HttpConfig()
     quotas: QuotasConfig = QuotasConfig()
     probe: ProbeConfig = ProbeConfig()
+    models: ModelsConfig = field(default_factory=ModelsConfig)  # [models] (config/models.py)
 
 
 def check_tcp(source: str, key: str, value: str, allow_remote: bool) -> str:
@@ -377,9 +380,16 @@ def parse_config(data: Mapping[str, object], source: str) -> AgentConfig:
         )
     pt = top.table("probe", PROBE, required=False)
     probe = parse_probe(pt) if pt is not None else d.probe
-    return AgentConfig(
-        source, server, limits, model, log, watchdog, sessions, fleet, updates, http, quotas, probe
-    )
+    mt = top.raw.get("models")
+    if mt is not None and not isinstance(mt, dict):
+        raise top.error("models", mt, "a table: [models]")
+    models = parse_models(mt, source) if mt is not None else d.models
+    if models.entries and model.path is not None:
+        raise top.error(
+            "model.path", str(model.path), "no [model] path beside [models.NAME] tables"
+        )
+    parts = (server, limits, model, log, watchdog, sessions, fleet, updates, http, quotas)
+    return AgentConfig(source, *parts, probe, models)
 
 
 def _parse_updates(t: Table) -> UpdatesConfig:

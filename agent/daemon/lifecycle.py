@@ -22,7 +22,7 @@ import functools
 import logging
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agent import __version__
 from agent.api import ports, unixsocket
@@ -30,6 +30,7 @@ from agent.api.grpc.server import Server
 from agent.base.errors import Unavailable
 from agent.base.statelock import StateLock
 from agent.config.file import http_socket, load_config
+from agent.daemon.models import Models, model_specs, unloaded_status
 from agent.daemon.plan import (
     Overrides,
     Plan,
@@ -53,8 +54,8 @@ from agent.ota.updater import Updater
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.ota.v1 import ota_pb2 as opb
 from agent.status.metrics import Metrics
-from agent.status.runs import ModelRun, RunBook
-from agent.status.value import AgentStatus, ProbeFigures, rss_bytes
+from agent.status.runs import RunBook
+from agent.status.value import AgentStatus, ModelState, rss_bytes
 from agent.systemd.notify import Notifier
 
 if TYPE_CHECKING:
@@ -83,6 +84,7 @@ class Daemon:
         self._admin: AdminServer | None = None  # local installs (agent.api.grpc.admin)
         self._prober: Prober | None = None  # the quality probe (agent.daemon.probe)
         self._runs: RunBook | None = None  # how each model runs here (agent.status.runs)
+        self._models: Models | None = None  # the named models (agent.daemon.models)
         self.metrics = Metrics(self._scrape)  # one for the daemon's life: rpc and http report
 
     # ------------------------------------------------------------------ Backend protocol
@@ -93,10 +95,30 @@ class Daemon:
             raise Unavailable(f"the agent is {s.state}")
         return s.engine
 
+    async def engine_for(self, model: str = "", keep_alive_s: float | None = None) -> Engine:
+        """The engine of the named model ("" the default), loaded now if it is not."""
+        s, models = self._serving, self._models
+        if models is None or s.state in ("starting", "stopping"):
+            raise Unavailable(f"the agent is {s.state}")
+        slot = models.resolve(model)
+        if slot.default and s.state == "reloading" and s.engine is None:
+            raise Unavailable("the agent is reloading")
+        return await models.acquire(model, keep_alive_s)
+
+    def current(self, model: str = "") -> Engine | None:
+        """The named model's engine now, without loading it (None: not loaded)."""
+        return self._models.current(model) if self._models is not None else None
+
+    def model_states(self) -> tuple[ModelState, ...]:
+        return self._models.states() if self._models is not None else ()
+
     def model_info(self) -> ModelInfo:
-        if self._serving.engine is None:
+        """The default model's info; while it is unloaded, the last it had (fleet health)."""
+        e = self._serving.engine
+        info = e.info if e is not None else self._models.default.info if self._models else None
+        if info is None or (e is None and self._serving.state != "serving"):
             raise Unavailable(f"the agent is {self._serving.state}")
-        return self._serving.engine.info
+        return info
 
     def reload(self) -> asyncio.Future[fpb.ReloadDone]:
         """Ask for a reload (as SIGHUP does); the future resolves when it has finished."""
@@ -114,44 +136,49 @@ class Daemon:
 
     def status(self) -> AgentStatus:
         e, plan = self._serving.engine, self._serving.plan
-        if e is None or plan is None:
+        if plan is None or self._models is None:
             raise Unavailable(f"the agent is {self._serving.state}")
+        if e is None:  # the default model is unloaded (idle past its keep_alive)
+            return unloaded_status(self._base_status(plan), self._models)
         stats = e.stats()
         run, previous = None, None
         if self._runs is not None:
             self._runs.observe(e.info, e.serial, stats)
             run, previous = self._runs.runs()
         return AgentStatus(
-            profile=plan.profile.name,
-            version=__version__,
-            state=self._serving.state,
-            uptime_s=time.monotonic() - self._started,
-            rss_bytes=rss_bytes(),
-            budget_bytes=e.memory.budget,
-            planned_bytes=e.memory.total,
+            **self._base_status(plan),
+            planned_bytes=self._models.loaded_bytes(),
             model=f"{e.info.name} {e.info.version} {e.info.quantization}",
             active_sessions=e.session_count(),
             engine=stats,
             kv=e.tier_stats(),
             info=e.info,
-            fleet_link=(
-                "off"
-                if self._fleet is None
-                else "connected"
-                if self._fleet.link.connected
-                else "disconnected"
-            ),
-            clock=self._updater.clock.state() if self._updater is not None else None,
             run=run,
             previous=previous,
-            probe=self._probe_of(run),
-            previous_probe=self._probe_of(previous),
+            probe=self._prober.figures(run.sha256) if run and self._prober else None,
+            previous_probe=self._prober.figures(previous.sha256)
+            if previous and self._prober
+            else None,
+            models=self._models.states(),
         )
 
-    def _probe_of(self, run: ModelRun | None) -> ProbeFigures | None:
-        if run is None or self._prober is None:
-            return None
-        return self._prober.figures(run.sha256)
+    def _base_status(self, plan: Plan) -> dict[str, Any]:
+        """The status fields that do not depend on a loaded model."""
+        fleet = self._fleet
+        return dict(
+            profile=plan.profile.name,
+            version=__version__,
+            state=self._serving.state,
+            uptime_s=time.monotonic() - self._started,
+            rss_bytes=rss_bytes(),
+            budget_bytes=plan.profile.runtime.max_num_bytes,
+            fleet_link="off"
+            if fleet is None
+            else "connected"
+            if fleet.link.connected
+            else "disconnected",
+            clock=self._updater.clock.state() if self._updater is not None else None,
+        )
 
     def _scrape(self) -> AgentStatus | None:
         """What a metrics scrape reads: the status and the last update's phase, read from the
@@ -167,7 +194,7 @@ class Daemon:
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self) -> int:
-        self._requests.install(asyncio.get_running_loop(), self._inject_stall)
+        self._requests.install(asyncio.get_running_loop(), self._serving.inject_stall)
         t0 = time.monotonic()
         unixsocket.check(self.config.server.socket)  # refused before anything changes
         if self.config.http.enabled:
@@ -189,9 +216,24 @@ class Daemon:
         self._updater.boot()
         self._prober = Prober(lambda: self.config.probe, base.state_dir)
         plan = s.plan = with_update(base, self._updater)
+        # every named model's metadata, read before anything loads: a bad one stops the start
+        specs = await asyncio.get_running_loop().run_in_executor(
+            None, model_specs, self.config, plan
+        )
         self.notifier.status(f"loading {plan.model_dir.name} on {plan.profile.name}")
         engine = s.engine = await self._load(plan)
         self._runs = RunBook.open(plan.state_dir, engine.info)  # a restart, maybe a crash
+        self._models = Models(
+            specs,
+            s,
+            self._load,
+            lambda: self.config.limits.reload_drain_s,
+            self._engine_drained,
+            self._prober.running,
+        )
+        self._models.default.loads = 1
+        models = self._models
+        s.elsewhere = lambda: models.loaded_bytes(but=models.default)
         try:
             server = s.server = Server(self, self.config.server, self.config.limits.max_tokens)
             await server.start()  # checks the socket path again, as it binds
@@ -222,12 +264,14 @@ class Daemon:
         )
         self._start_fleet()
         self._updater.blocks = self._fleet.link if self._fleet is not None else None
-        host = DaemonUpdateHost(s, self._updater, lambda: self.config, self._fleet, self._prober)
+        host = DaemonUpdateHost(
+            s, self._updater, lambda: self.config, self._fleet, self._prober, self.engine_for
+        )
         self._updater.attach(host)
         # before resume: an update resumed runs from here on, and READY follows at once
         self._admin = await start_admin(self._updater, self.config.server.socket)
         await self._updater.resume()
-        self.notifier.ready(self._status_line())
+        self.notifier.ready(self._serving.status_line())
         try:
             await self._main_loop(server)
         finally:
@@ -262,12 +306,15 @@ class Daemon:
         )
         self._fleet.start()
 
-    async def _load(self, plan: Plan) -> Engine:
-        """Build an engine off the event loop. Meanwhile, every tick asks systemd for more time
-        (EXTEND_TIMEOUT_USEC: a large model on a slow board must not hit TimeoutStartSec) and,
-        during a reload, keeps the watchdog fed for the engine that is still serving."""
+    async def _load(self, plan: Plan, budget: int | None = None) -> Engine:
+        """Build an engine off the event loop (on `budget`, by default what the other models
+        leave). Meanwhile, every tick asks systemd for more time (EXTEND_TIMEOUT_USEC: a large
+        model on a slow board must not hit TimeoutStartSec) and, during a reload, keeps the
+        watchdog fed for the engine that is still serving."""
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(None, build_engine, plan)
+        if budget is None and self._models is not None:
+            budget = self._models.budget() - self._models.loaded_bytes(but=self._models.default)
+        future = loop.run_in_executor(None, build_engine, plan, budget)
         tick = self.config.watchdog.tick_s
         while True:
             self.notifier.extend_timeout(int(3 * tick * 1e6))
@@ -275,18 +322,6 @@ class Daemon:
             if done:
                 return future.result()
             self._tick()
-
-    def _inject_stall(self) -> None:
-        """SIGUSR2 with fault injection on (tests): stall the engine thread, or end its stall."""
-        engine = self._serving.engine
-        if engine is None:
-            return
-        if engine.stalled:
-            log.warning("fault injection: the engine thread's stall ends")
-            engine.end_stall()
-        else:
-            log.warning("fault injection: stalling the engine thread")
-            engine.inject_stall(3600.0)
 
     async def _main_loop(self, server: Server) -> None:
         tick = self.config.watchdog.tick_s
@@ -300,27 +335,29 @@ class Daemon:
                         w.set_result(done)
                 if self._fleet is not None:
                     self._fleet.reload_done(done)  # on disk before READY says it is over
-                self.notifier.ready(self._status_line())
+                self.notifier.ready(self._serving.status_line())
+            if self._models is not None:
+                await self._models.tick()  # idle models past their keep_alive unload
             self._tick()
 
     def _tick(self) -> None:
-        e = self._serving.engine
-        if e is None:
+        e, serving = self._serving.engine, self._serving.state == "serving"
+        if e is None and not serving:  # between engines (a reload that drains first)
             return
-        age = e.heartbeat_age()
+        age = e.heartbeat_age() if e is not None else 0.0  # unloaded: no thread to wedge
         if age < self.config.watchdog.engine_stall_s:
             self.notifier.watchdog()
         else:
             # no WATCHDOG=1: systemd restarts us after WatchdogSec
             log.error("engine thread has not answered for %.1f s; withholding the watchdog", age)
-        line = self._status_line()
+        line = self._serving.status_line()
         if line != self._last_status:
             self._last_status = line
             self.notifier.status(line)
         if self._fleet is not None:
             self._fleet.tick()
         if self._prober is not None:
-            self._prober.tick(e if self._serving.state == "serving" else None)
+            self._prober.tick(e if serving else None)
         self._observe_runs()
 
     def _engine_drained(self, engine: Engine) -> None:
@@ -335,19 +372,6 @@ class Daemon:
             runs.observe(e.info, e.serial, e.stats())
             runs.save_if_due()
 
-    def _status_line(self) -> str:
-        e, server = self._serving.engine, self._serving.server
-        if e is None:
-            return self._serving.state
-        s = e.stats()
-        # a TCP port may be ephemeral (--tcp 127.0.0.1:0): the one bound is said here
-        tcp = [a for a in (server.addresses if server else []) if a[:5] != "unix:"]
-        return (
-            f"{self._serving.state}: {e.info.name} {e.info.quantization} on "
-            f"{e.info.accelerator}; {s.active} active, {s.queue_depth} queued, "
-            f"{s.requests_total} done" + (f"; tcp {', '.join(tcp)}" if tcp else "")
-        )
-
     async def _do_reload(self) -> fpb.ReloadDone:
         self.notifier.reloading("reloading configuration and profile")
         log.info("reload requested (SIGHUP)")
@@ -356,6 +380,7 @@ class Daemon:
         try:
             config = apply_overrides(load_config(self.overrides.config_path), self.overrides)
             plan = with_update(load_plan(config, self.overrides), self._updater)
+            specs = model_specs(config, plan)  # every model's metadata read before a change
             if config.fleet != self.config.fleet:
                 log.warning("reload: [fleet] changes take effect at the next restart")
             if config.http != self.config.http:
@@ -369,6 +394,8 @@ class Daemon:
             else:
                 log.info("reload: model and profile unchanged")
                 done.message = "model and profile unchanged"
+            if self._models is not None:
+                await self._models.update(specs)
         except Exception as exc:  # a bad new config keeps the old one serving
             log.error("reload failed, keeping the previous model: %s", exc)
             done.ok, done.message = False, f"reload failed, the previous model serves: {exc}"
@@ -399,6 +426,8 @@ class Daemon:
             drained = await loop.run_in_executor(None, stop)
             log.info("shutdown: %s", "drained" if drained else "drain time over, cut the rest")
         await loop.run_in_executor(None, s.stop_draining, timeout)
+        if self._models is not None:
+            await self._models.stop_others(timeout)
         # every request has had its last event: the listeners give the streams the time to
         # write it (a client that does not read is not waited for beyond that)
         if self._http is not None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from agent.base.errors import ConfigError
 from agent.config.file import AgentConfig, parse_broker
+from agent.config.models import ModelEntry
 from agent.engine.engine import Engine, EngineLimits
 from agent.engine.loading import EngineModel, load_model
 from agent.fleet.topics import check_device_id
@@ -44,6 +45,8 @@ class Overrides:
     broker: str | None = None  # mqtt://HOST:PORT | mqtts://HOST:PORT
     device_id: str | None = None
     http: str | None = None  # "off" | PATH | HOST:PORT (`agent.config.file.parse_http_listen`)
+    # `--model NAME=PATH` or `--model` given more than once: they replace `[models]`
+    models: tuple[ModelEntry, ...] = ()
 
 
 def apply_overrides(config: AgentConfig, o: Overrides) -> AgentConfig:
@@ -55,9 +58,13 @@ def apply_overrides(config: AgentConfig, o: Overrides) -> AgentConfig:
 
         check_tcp("--tcp", "tcp", o.tcp, server.allow_remote_tcp)
         server = dataclasses.replace(server, tcp=o.tcp)
-    model = config.model
+    model, models = config.model, config.models
     if o.model is not None:
         model = dataclasses.replace(model, path=o.model)
+        models = dataclasses.replace(models, entries=())
+    if o.models:
+        model = dataclasses.replace(model, path=None)
+        models = dataclasses.replace(models, entries=o.models)
     if o.quantization is not None:
         model = dataclasses.replace(model, quantization=o.quantization)
     fleet = config.fleet
@@ -76,7 +83,9 @@ def apply_overrides(config: AgentConfig, o: Overrides) -> AgentConfig:
         from agent.config.file import parse_http_listen
 
         http = parse_http_listen("--http", "http", o.http, server.allow_remote_tcp, http)
-    return dataclasses.replace(config, server=server, model=model, fleet=fleet, http=http)
+    return dataclasses.replace(
+        config, server=server, model=model, fleet=fleet, http=http, models=models
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,20 +104,28 @@ def state_dir(overrides: Overrides) -> Path:
 
 
 def load_plan(config: AgentConfig, overrides: Overrides) -> Plan:
-    """The plan for the configured model, its variant chosen here once (the engine is then
-    told which: the profile's choice is made, and logged, one time per start or reload)."""
+    """The plan for the configured (default) model, its variant chosen here once (the engine
+    is then told which: the profile's choice is made, and logged, one time per start or
+    reload). With `[models]`, the default model is the first listed."""
     profile, reasons = resolve_profile(overrides.profile)
     for r in reasons:
         log.info("profile %s: %s", profile.name, r)
-    model_dir = config.model.path or profile.model.path or demo_model_dir()
+    first = config.models.entries[0] if config.models.entries else None
+    model_dir = first.path if first else config.model.path or profile.model.path or demo_model_dir()
     directory = state_dir(overrides)
     plan = Plan(
         with_weight_cache(profile, directory),
         model_dir,
-        config.model.quantization,
+        first.quantization if first else config.model.quantization,
         engine_limits(config),
         directory,
     )
+    return with_variant(plan)
+
+
+def with_variant(plan: Plan) -> Plan:
+    """`plan` with its quantization chosen (the profile's choice) when it names none."""
+    model_dir = plan.model_dir
     if plan.quantization is None:
         meta = open_plan_model(plan, model_dir)
         quant = choose_quantization(plan.profile, [v.quantization for v in meta.variants])
@@ -164,8 +181,13 @@ def load_plan_model(plan: Plan) -> EngineModel:
     )
 
 
-def build_engine(plan: Plan) -> Engine:
-    """Load the plan's model once, then hand it to the engine that serves it."""
+def build_engine(plan: Plan, budget: int | None = None) -> Engine:
+    """Load the plan's model once, then hand it to the engine that serves it; `budget`: the
+    bytes of the profile's budget the other loaded models leave it (agent.daemon.models)."""
+    runtime = plan.profile.runtime
+    if budget is not None and budget < runtime.max_num_bytes:
+        runtime = dataclasses.replace(runtime, max_num_bytes=budget)
+        plan = dataclasses.replace(plan, profile=dataclasses.replace(plan.profile, runtime=runtime))
     return Engine(plan.profile, load_plan_model(plan), limits=plan.limits)
 
 

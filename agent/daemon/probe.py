@@ -201,6 +201,10 @@ class Prober:
 
     # ------------------------------------------------------------------ under the lock
 
+    def running(self) -> bool:
+        """Whether a probe holds the engine now (its model must not be unloaded)."""
+        return self._running()
+
     def _running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

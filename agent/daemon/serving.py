@@ -40,6 +40,34 @@ class Serving:
         self._drain_timeout = drain_timeout  # the configuration in force says how long
         self._draining: list[tuple[threading.Thread, Engine]] = []
         self._drained = drained  # a replaced engine has ended its last request (its counts)
+        # bytes of the budget other models hold (agent.daemon.models): a switch counts them
+        self.elsewhere: Callable[[], int] = lambda: 0
+
+    def status_line(self) -> str:
+        """systemd's STATUS= line: the state and the default model's figures."""
+        e, server = self.engine, self.server
+        if e is None:
+            return self.state + (" (model unloaded)" if self.state == "serving" else "")
+        s = e.stats()
+        # a TCP port may be ephemeral (--tcp 127.0.0.1:0): the one bound is said here
+        tcp = [a for a in (server.addresses if server else []) if a[:5] != "unix:"]
+        return (
+            f"{self.state}: {e.info.name} {e.info.quantization} on "
+            f"{e.info.accelerator}; {s.active} active, {s.queue_depth} queued, "
+            f"{s.requests_total} done" + (f"; tcp {', '.join(tcp)}" if tcp else "")
+        )
+
+    def inject_stall(self) -> None:
+        """SIGUSR2 with fault injection on (tests): stall the engine thread, or end its stall."""
+        engine = self.engine
+        if engine is None:
+            return
+        if engine.stalled:
+            log.warning("fault injection: the engine thread's stall ends")
+            engine.end_stall()
+        else:
+            log.warning("fault injection: stalling the engine thread")
+            engine.inject_stall(3600.0)
 
     async def switch_to(
         self, plan: Plan, check: Callable[[Engine], str | None] | None = None
@@ -81,7 +109,7 @@ class Serving:
         if self.engine is None:
             return True
         need = estimate_memory(plan.profile, plan.model_dir, plan.quantization)
-        total = self.engine.memory.total + need
+        total = self.engine.memory.total + need + self.elsewhere()
         if total <= plan.profile.runtime.max_num_bytes:
             return True
         log.info(

@@ -10,17 +10,18 @@ import asyncio
 import dataclasses
 import logging
 import platform
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from agent import __version__
 from agent.api.grpc.admin import AdminServer, admin_socket
-from agent.base.errors import NotFound
+from agent.base.errors import AgentError, NotFound
 from agent.config.file import AgentConfig
 from agent.daemon.canary import engine_model
 from agent.daemon.plan import open_plan_model
 from agent.daemon.probe import Prober
 from agent.daemon.serving import Serving
+from agent.engine.engine import Engine
 from agent.fleet.device.agent import FleetAgent
 from agent.ota import canary
 from agent.ota.artifact.manifest import InstallContext
@@ -44,8 +45,10 @@ class DaemonUpdateHost:
         config: Callable[[], AgentConfig],
         fleet: FleetAgent | None,
         prober: Prober | None = None,
+        load: Callable[[], Awaitable[Engine]] | None = None,
     ) -> None:
         self._serving = serving
+        self._load = load  # the default model's engine, loaded if it was unloaded when idle
         self._prober = prober
         self._updater = updater
         self._config = config
@@ -85,6 +88,11 @@ class DaemonUpdateHost:
 
     async def check_serving(self, canary_spec: opb.Canary | None) -> str | None:
         e = self._serving.engine
+        if e is None and self._load is not None and self._serving.state == "serving":
+            try:  # unloaded after its keep_alive: idle is not unhealthy, a failed load is
+                e = await self._load()
+            except AgentError as exc:
+                return f"the model did not load again: {exc}"
         if e is None:
             return "no engine is serving"
         age = e.heartbeat_age()
@@ -106,8 +114,10 @@ class DaemonUpdateHost:
         session was used (agent/ota/switch/gate.py: a request that came and went between two
         looks counts too); no engine (a reload) counts as running."""
         e = self._serving.engine
-        if e is None or self._serving.state != "serving":
+        if self._serving.state != "serving":
             return 1, None
+        if e is None:  # the default model is unloaded: idle (agent.daemon.models)
+            return 0, "unloaded"
         stats = e.stats()
         used = tuple((s.id, s.last_used, s.tokens) for s in e.list_sessions(None))
         return stats.active + stats.queue_depth, (stats.requests_total, used)

@@ -35,6 +35,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from agent.engine.types import FINISH_REASONS, TokenEvent
+from agent.status.modelmetrics import model_families
 from agent.status.runs import ModelRun
 from agent.status.value import AgentStatus, ProbeFigures
 
@@ -143,6 +144,7 @@ class _StatusCollector(Collector):
             return
         yield from _agent(s)
         yield from _engine(s)
+        yield from model_families(s.models)  # [models]: one series per named model
         if s.kv is not None:
             yield from _tiers(s)
         if s.run is not None:

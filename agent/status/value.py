@@ -27,6 +27,29 @@ class ProbeFigures:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelState:
+    """One of the daemon's named models (`[models]`, docs/CONFIG.md): whether it is loaded,
+    what it holds of the byte budget, and how it stays loaded."""
+
+    name: str
+    version: str
+    quantization: str
+    context_length: int
+    default: bool  # the model a request without a model name goes to
+    loaded: bool
+    pinned: bool
+    keep_alive_s: float  # in force now (the last request's, else the configured); inf: forever
+    planned_bytes: int  # what its engine holds of the budget (0: unloaded)
+    estimate_bytes: int  # what its load needs at least (0: not estimated yet)
+    loads: int = 0
+    unloads: int = 0
+    evictions: int = 0  # unloads to make room for another model
+    last_load_s: float = 0.0  # how long its last load took
+    active: int = 0  # requests running or queued on it now
+    requests_total: int = 0  # over its current engine's life
+
+
+@dataclass(frozen=True, slots=True)
 class AgentStatus:
     """Everything GetStatus reports, taken at one moment."""
 
@@ -54,6 +77,7 @@ class AgentStatus:
     # each of those models' latest quality probe (None: not probed yet / not reported)
     probe: ProbeFigures | None = None
     previous_probe: ProbeFigures | None = None
+    models: tuple[ModelState, ...] = ()  # every named model, the default first
 
 
 def rss_bytes() -> int:

@@ -84,7 +84,7 @@ class Daemon:
     def __init__(
         self,
         tmp: Path,
-        model_dir: Path,
+        model_dir: Path | None,  # None: the config's ([models])
         config: str = "",
         env: dict[str, str] | None = None,
         profile: str = "generic-x86_64",
@@ -104,8 +104,7 @@ class Daemon:
                 "run",
                 "--profile",
                 profile,
-                "--model",
-                str(model_dir),
+                *(("--model", str(model_dir)) if model_dir is not None else ()),
                 "--socket",
                 str(self.socket),
                 "--config",

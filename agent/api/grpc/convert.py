@@ -26,7 +26,7 @@ from agent.engine.types import GenerateRequest, SessionInfo, TierStats, TokenEve
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from agent.status.runs import ModelRun
 from agent.status.value import AgentStatus, ProbeFigures
-from agent.wire.status import tiers_message
+from agent.wire.status import named_model_message, tiers_message
 
 FINISH = {
     "stop": pb.FINISH_REASON_STOP,
@@ -236,6 +236,7 @@ def status_message(st: AgentStatus) -> pb.AgentStatus:
         msg.run.CopyFrom(figures_message(st.run, st.probe))
     if st.previous is not None:
         msg.previous.CopyFrom(figures_message(st.previous, st.previous_probe))
+    msg.models.extend(named_model_message(m) for m in st.models)
     return msg
 
 

@@ -11,6 +11,7 @@ of the client key in the call's metadata, or "" for everyone when `[sessions] sh
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -37,6 +38,7 @@ from agent.base.errors import (
     grpc_status_name,
 )
 from agent.config.file import AgentConfig
+from agent.config.models import KEEP_ALIVE_RULE, parse_keep_alive
 from agent.engine.engine import Engine
 from agent.engine.stopping import STOPPING_CUT
 from agent.engine.types import TokenEvent
@@ -58,6 +60,15 @@ class Backend(Protocol):
 
     def status(self) -> AgentStatus:
         """The agent's status now (raises Unavailable before a model is loaded)."""
+        ...
+
+    async def engine_for(self, model: str = "", keep_alive_s: float | None = None) -> Engine:
+        """The named model's engine ("" the default), loaded if it is not (NotFound for a name
+        not served, BudgetError when it cannot fit)."""
+        ...
+
+    def current(self, model: str = "") -> Engine | None:
+        """The named model's engine now, without loading it."""
         ...
 
     @property
@@ -97,6 +108,16 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
 def _check(request: Any) -> None:
     if isinstance(request, _Invalid):
         raise InvalidRequest(request.reason)
+
+
+def keep_alive_of(text: str) -> float | None:
+    """A request's keep_alive ("": the configured one), as `[models]`' keep_alive reads it."""
+    if not text:
+        return None
+    seconds = parse_keep_alive(text)
+    if seconds is None:
+        raise InvalidRequest(f"keep_alive = {text!r} is not valid; allowed: {KEEP_ALIVE_RULE}")
+    return seconds
 
 
 def _counted(sink: Callable[[TokenEvent], None], metrics: Metrics) -> Callable[[TokenEvent], None]:
@@ -143,8 +164,9 @@ class AgentService:
         sink = pipe.put if metrics is None else _counted(pipe.put, metrics)
         try:
             _check(request)
+            keep_alive = keep_alive_of(request.keep_alive)
             for again in (False, True):
-                engine = self._backend.engine()
+                engine = await self._backend.engine_for(request.model, keep_alive)
                 domain = to_request(request, engine, self._max_tokens, self.owner(context))
                 tools = ToolReader.of(domain, engine)  # a chat with tools: its calls at the end
                 timeout = context.time_remaining()
@@ -156,8 +178,9 @@ class AgentService:
                     break
                 except Unavailable:
                     # a reload or an update switched models between the look and the submit:
-                    # the old engine refuses, so once more on the one that serves now
-                    if again or self._backend.engine() is engine:
+                    # (or its model was unloaded): the old engine refuses, so once more on
+                    # the one that serves now
+                    if again or self._backend.current(request.model) is engine:
                         raise
         except AgentError as exc:
             log.info("generate refused: %s", exc)
@@ -187,36 +210,41 @@ class AgentService:
             if not handle.done.is_set():
                 handle.cancel()
 
-    def Tokenize(self, request: pb.TokenizeRequest, owner: str) -> pb.TokenizeResponse:
-        engine = self._backend.engine()
+    async def Tokenize(self, request: pb.TokenizeRequest, owner: str) -> pb.TokenizeResponse:
+        engine = await self._backend.engine_for(request.model)
         ids = engine.tokenizer.encode(request.text)
         if request.add_bos and engine.meta.bos_id is not None:
             ids = [engine.meta.bos_id, *ids]
         return pb.TokenizeResponse(token_ids=ids)
 
-    def Detokenize(self, request: pb.DetokenizeRequest, owner: str) -> pb.DetokenizeResponse:
-        text = self._backend.engine().tokenizer.decode(list(request.token_ids))
+    async def Detokenize(self, request: pb.DetokenizeRequest, owner: str) -> pb.DetokenizeResponse:
+        text = (await self._backend.engine_for(request.model)).tokenizer.decode(
+            list(request.token_ids)
+        )
         return pb.DetokenizeResponse(text=text)
 
-    def GetModelInfo(self, request: pb.GetModelInfoRequest, owner: str) -> pb.ModelInfo:
-        engine = self._backend.engine()
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, owner: str) -> pb.ModelInfo:
+        engine = await self._backend.engine_for(request.model)
         return model_info_message(engine.info, engine.tier_stats())
 
-    def CreateSession(self, request: pb.CreateSessionRequest, owner: str) -> pb.Session:
-        engine = self._backend.engine()
+    async def CreateSession(self, request: pb.CreateSessionRequest, owner: str) -> pb.Session:
+        engine = await self._backend.engine_for(request.model)
         return pb.Session(id=engine.create_session(owner, request.policy or "error"))
 
-    def ForkSession(self, request: pb.ForkSessionRequest, owner: str) -> pb.Session:
-        return pb.Session(id=self._backend.engine().fork_session(request.id, owner))
+    async def ForkSession(self, request: pb.ForkSessionRequest, owner: str) -> pb.Session:
+        engine = await self._backend.engine_for(request.model)
+        return pb.Session(id=engine.fork_session(request.id, owner))
 
-    def ListSessions(self, request: pb.ListSessionsRequest, owner: str) -> pb.ListSessionsResponse:
-        sessions = self._backend.engine().list_sessions(owner)
+    async def ListSessions(
+        self, request: pb.ListSessionsRequest, owner: str
+    ) -> pb.ListSessionsResponse:
+        sessions = (await self._backend.engine_for(request.model)).list_sessions(owner)
         return pb.ListSessionsResponse(sessions=[session_message(s) for s in sessions])
 
-    def DeleteSession(
+    async def DeleteSession(
         self, request: pb.DeleteSessionRequest, owner: str
     ) -> pb.DeleteSessionResponse:
-        self._backend.engine().delete_session(request.id, owner)
+        (await self._backend.engine_for(request.model)).delete_session(request.id, owner)
         return pb.DeleteSessionResponse()
 
     def GetStatus(self, request: pb.GetStatusRequest, owner: str) -> pb.AgentStatus:
@@ -250,7 +278,8 @@ def _unary(
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             _check(request)
-            return method(request, service.owner(context))
+            result = method(request, service.owner(context))
+            return await result if inspect.isawaitable(result) else result
         except AgentError as exc:
             log.info("%s refused: %s", name, exc)
             await _abort(context, exc)

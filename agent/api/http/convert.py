@@ -28,6 +28,7 @@ from agent.api.http.errors import HttpError
 from agent.chat.template import ChatMessage
 from agent.chat.toolcalls import reading_of
 from agent.chat.types import Tool, ToolCall
+from agent.config.models import KEEP_ALIVE_RULE, parse_keep_alive
 from agent.constraint.types import Constraint
 from agent.engine.engine import Engine
 from agent.engine.sampler import SamplingParams
@@ -58,6 +59,30 @@ class Parsed:
 
 def _bad(param: str, message: str, code: str | None = None) -> HttpError:
     return HttpError(message, param=param, code=code)
+
+
+def model_of(body: Mapping[str, Any]) -> tuple[str, float | None]:
+    """The request's `model` ("" when absent: the default) and its Ollama-style `keep_alive`
+    (seconds or a duration; None: the configured one)."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("model", "model must be a string")
+    raw = body.get("keep_alive")
+    keep_alive = None if raw is None else parse_keep_alive(raw)
+    if raw is not None and keep_alive is None:
+        raise _bad(
+            "keep_alive", f"keep_alive {json.dumps(raw)[:40]} is not valid: {KEEP_ALIVE_RULE}"
+        )
+    return model or "", keep_alive
+
+
+def answer_model(body: Mapping[str, Any], names: list[str], metadata_name: str | None) -> str:
+    """The `model` an answer names: the one model's metadata name when there is no
+    `[models]` (as before), else the name of the model that answered."""
+    if metadata_name is not None or not names:
+        return metadata_name or ""
+    asked = model_of(body)[0]
+    return asked if asked in names else names[0]
 
 
 def _integer(body: Mapping[str, Any], name: str) -> int | None:

@@ -14,6 +14,7 @@ from agent.base.errors import (
     ContextOverflow,
     InvalidRequest,
     ModelFormatError,
+    ModelTooLarge,
     NotFound,
     Overloaded,
     RuntimeFailure,
@@ -36,6 +37,8 @@ HTTP_STATUS: dict[type[AgentError], tuple[int, str, str | None]] = {
     ConfigError: (500, "server_error", None),
     ModelFormatError: (500, "server_error", None),
     BudgetError: (503, "server_error", None),
+    # never fits: the openai SDK retries 429 and 5xx, so a 400 (as context_length_exceeded)
+    ModelTooLarge: (400, "invalid_request_error", "model_too_large"),
     AcceleratorError: (503, "server_error", None),
     RuntimeFailure: (500, "server_error", None),
 }

@@ -40,6 +40,7 @@ from agent.config.file import AgentConfig
 from agent.engine.engine import Engine
 from agent.engine.request import RequestHandle
 from agent.engine.types import TokenEvent
+from agent.status.value import ModelState
 
 log = logging.getLogger("agent.api.http")
 
@@ -71,6 +72,16 @@ class Backend(Protocol):
     @property
     def config(self) -> AgentConfig:
         """The configuration in force (a reload may replace it)."""
+        ...
+
+    async def engine_for(self, model: str = "", keep_alive_s: float | None = None) -> Engine:
+        """The named model's engine, loaded if it is not (as gRPC's `Backend`)."""
+        ...
+
+    def current(self, model: str = "") -> Engine | None: ...
+
+    def model_states(self) -> tuple[ModelState, ...]:
+        """Every named model, the default first."""
         ...
 
 
@@ -217,13 +228,14 @@ class Api:
     ) -> tuple[Engine, convert.Parsed, RequestHandle, EventPipe[TokenEvent]]:
         """Parse and submit on the engine serving now; once more if a reload or an update
         switched models between the look and the submit (the old engine refuses)."""
+        name, keep_alive = convert.model_of(body)
         for again in (False, True):
-            engine = self._backend.engine()
+            engine = await self._backend.engine_for(name, keep_alive)
             parsed = parse(body, engine, self._max_tokens, self._owner(request))
             try:
                 return (engine, parsed, *await self._submit(engine, parsed))
-            except Unavailable:
-                if again or self._backend.engine() is engine:
+            except Unavailable:  # (or its model was unloaded meanwhile)
+                if again or self._backend.current(name) is engine:
                     raise
         raise AssertionError("unreachable")
 
@@ -231,7 +243,9 @@ class Api:
         self, request: Request, body: Any, parse: Callable[..., convert.Parsed], *, chat: bool
     ) -> Response:
         engine, parsed, handle, events = await self._on_current(request, body, parse)
-        model = engine.info.name
+        names = [m.name for m in self._backend.model_states()]
+        named = bool(self._backend.config.models.entries)
+        model = convert.answer_model(body, names, engine.info.name if not named else None)
         created = int(time.time())
         if parsed.stream:
             stream = self._stream(
@@ -343,30 +357,19 @@ class Api:
                 log.info("http %s: stream closed early; cancelled", rid)
 
     async def models(self, request: Request) -> Response:
-        info = self._backend.engine().info
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": info.name,
-                        "object": "model",
-                        "created": self._created,
-                        "owned_by": "edge-agent",
-                        "version": info.version,
-                        "quantization": info.quantization,
-                        "context_length": info.context_length,
-                    }
-                ],
-            }
-        )
+        states = self._backend.model_states()
+        if not states:
+            self._backend.engine()  # Unavailable: 503, as before
+        return JSONResponse(replies.model_list(states, self._created))
 
     async def health(self, request: Request) -> Response:
+        states = self._backend.model_states()
         try:
-            engine = self._backend.engine()
+            name = states[0].name if states and not states[0].loaded else None
+            name = name or self._backend.engine().info.name
         except Unavailable as exc:
             return JSONResponse({"status": "unavailable", "reason": str(exc)}, status_code=503)
-        return JSONResponse({"status": "ok", "model": engine.info.name})
+        return JSONResponse({"status": "ok", "model": name})
 
     async def metrics(self, request: Request) -> Response:
         if self._metrics is None:

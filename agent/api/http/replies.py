@@ -5,10 +5,12 @@ tools is read whole (`Parsed.tool_parse`) into OpenAI `tool_calls` with
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Final
 
 from agent.chat.toolcalls import read_answer
 from agent.engine.types import RequestStats
+from agent.status.value import ModelState
 
 FINISH: Final = {"stop": "stop", "length": "length"}  # cancelled / error never reach a client
 
@@ -117,3 +119,24 @@ def completion_response(
     if stats is not None:
         body["usage"] = usage(stats)
     return body
+
+
+def model_list(states: Sequence[ModelState], created: int) -> dict[str, Any]:
+    """`GET /v1/models`: every named model, loaded or not (`loaded` and `pinned` are ours)."""
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": m.name,
+                "object": "model",
+                "created": created,
+                "owned_by": "edge-agent",
+                "version": m.version,
+                "quantization": m.quantization,
+                "context_length": m.context_length,
+                "loaded": m.loaded,
+                "pinned": m.pinned,
+            }
+            for m in states
+        ],
+    }

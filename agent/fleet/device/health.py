@@ -23,7 +23,7 @@ from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.pb.edge_agent.v1 import agent_pb2 as pb
 from agent.status.runs import ModelRun
 from agent.status.value import AgentStatus
-from agent.wire.status import tiers_message
+from agent.wire.status import named_model_message, tiers_message
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +215,7 @@ def build_health(
     if status.previous is not None:
         msg.previous.CopyFrom(run_message(status.previous))
         _add_probe(msg.previous, probes)
+    msg.models.extend(named_model_message(m) for m in status.models)  # [models]
     return msg
 
 

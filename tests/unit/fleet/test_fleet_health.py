@@ -31,7 +31,7 @@ from agent.fleet.device.health import (
 from agent.pb.edge_agent.fleet.v1 import fleet_pb2 as fpb
 from agent.runtime.plan import MemoryPlan
 from agent.status.runs import ModelRun
-from agent.status.value import AgentStatus
+from agent.status.value import AgentStatus, ModelState
 
 MIB = 1 << 20
 
@@ -310,7 +310,9 @@ def test_build_health_fills_every_field() -> None:
     update = update_status()
     therm = thermal(65.5, throttled_since_boot=True)
     runs = {"run": ModelRun("ab" * 32, requests=3), "previous": ModelRun("cd" * 32)}
-    h = health(agent_status(**runs), seq=42, therm=therm, last_update=update, now=1712345678.25)
+    one = ModelState("demo", "1.0", "int8", 2048, True, True, False, float("inf"), 1, 0)
+    status = agent_status(**runs, models=(one,))
+    h = health(status, seq=42, therm=therm, last_update=update, now=1712345678.25)
 
     assert {f.name for f, _ in h.ListFields()} == {f.name for f in fpb.Health.DESCRIPTOR.fields}
     assert (h.run.requests, h.previous.model.sha256) == (3, "cd" * 32)  # test_health_runs.py
@@ -598,3 +600,53 @@ def test_reporter_timing_properties(steps: list[tuple[float, str]]) -> None:
     assert [h.seq for h in sent] == list(range(1, len(sent) + 1))
     stamps = [h.timestamp_unix for h in sent]
     assert all(b - a >= min_interval for a, b in itertools.pairwise(stamps))
+
+
+def test_health_carries_every_named_model() -> None:
+    """[models]: each model's state travels in health as GetStatus has it (forever is -1)."""
+    models = (
+        ModelState("chat", "1.0", "int8", 2048, True, True, False, float("inf"), 700 * MIB, 0),
+        ModelState(
+            "code",
+            "2.1",
+            "int4_block32",
+            1024,
+            False,
+            False,
+            True,
+            300.0,
+            0,
+            90 * MIB,
+            loads=3,
+            unloads=3,
+            evictions=1,
+            last_load_s=0.5,
+        ),
+    )
+    h = build_health(
+        agent_status(models=models),
+        model_info(),
+        seq=1,
+        session=1,
+        device_id="dev-1",
+        thermal=thermal(),
+        disk=fpb.Disk(),
+        last_update=None,
+        now=1.7e9,
+    )
+    chat, code = h.models
+    assert (chat.name, chat.default, chat.loaded, chat.keep_alive_s) == ("chat", True, True, -1.0)
+    assert chat.planned_bytes == 700 * MIB
+    assert (code.name, code.pinned, code.loaded, code.keep_alive_s) == ("code", True, False, 300.0)
+    assert (code.loads, code.unloads, code.evictions, code.estimate_bytes) == (3, 3, 1, 90 * MIB)
+    assert not build_health(
+        agent_status(),
+        model_info(),
+        seq=1,
+        session=1,
+        device_id="d",
+        thermal=thermal(),
+        disk=fpb.Disk(),
+        last_update=None,
+        now=1.7e9,
+    ).models
