@@ -158,6 +158,27 @@ class ModelFigures:
 
 
 @dataclass(frozen=True, slots=True)
+class NamedModel:
+    """One of the daemon's named models (`[models]`): loaded or not, its share of the budget."""
+
+    name: str
+    version: str
+    quantization: str
+    context_length: int
+    default: bool
+    loaded: bool
+    pinned: bool
+    keep_alive_s: float  # in force now; negative: forever
+    planned_bytes: int  # what its engine holds of the budget; 0 when unloaded
+    estimate_bytes: int
+    loads: int
+    unloads: int
+    evictions: int
+    last_load_s: float
+    active: int
+
+
+@dataclass(frozen=True, slots=True)
 class Status:
     profile: str
     version: str
@@ -188,6 +209,7 @@ class Status:
     # the serving model's figures and the model's before it; None when not known
     run: ModelFigures | None
     previous: ModelFigures | None
+    models: tuple[NamedModel, ...]  # every named model, the default first
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +270,7 @@ def status(message: Any) -> Status:
         kv=kv_tiers(message.kv),
         run=model_figures(message.run) if message.HasField("run") else None,
         previous=model_figures(message.previous) if message.HasField("previous") else None,
+        models=tuple(plain(NamedModel, m) for m in message.models),
     )
 
 

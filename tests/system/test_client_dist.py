@@ -88,7 +88,7 @@ for cls, message in [
     (types.Stats, pb.RequestStats), (types.KVTiers, pb.KVTiers), (types.ModelInfo, pb.ModelInfo),
     (types.Status, pb.AgentStatus), (types.SessionInfo, pb.SessionInfo),
     (types.Percentiles, pb.Percentiles), (types.ModelFigures, pb.ModelFigures),
-    (types.ProbeFigures, pb.ProbeFigures),
+    (types.ProbeFigures, pb.ProbeFigures), (types.NamedModel, pb.NamedModel),
 ]:
     names = [f.name for f in dataclasses.fields(cls)]
     assert names == [f.name for f in message.DESCRIPTOR.fields], (cls, names)
