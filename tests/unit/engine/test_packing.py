@@ -221,6 +221,25 @@ def test_session_turns_packed_continue_as_alone(engines) -> None:
     assert got == want and on.packing.steps > steps
 
 
+def test_a_failed_packed_call_fails_its_requests_and_the_engine_goes_on(
+    engines, monkeypatch
+) -> None:
+    on, _ = engines
+    from tests.unit.engine.test_engine_faults import fail_next
+
+    fired = fail_next(on, "decode_batch", monkeypatch)
+    reqs = _requests()[:3]
+    run = Run(on)
+    run.start(reqs)
+    ends = [run.tokens(i)[1] for i in range(3)]
+    assert fired and ends.count("error") >= 2  # every request in the failed call
+    errors = [run.events[i][-1].error for i in range(3) if ends[i] == "error"]
+    assert all(e is not None and "injected: decode_batch" in e for e in errors)
+    run = Run(on)
+    run.start(reqs)
+    assert [run.tokens(i)[0] for i in range(3)] == _alone(on, reqs)
+
+
 def test_a_model_without_batch_signatures_serves_unpacked(tiny_model_dir, dev_profile_data):
     engine = _open(tiny_model_dir, dev_profile_data, True)
     try:
