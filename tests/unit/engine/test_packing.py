@@ -240,6 +240,37 @@ def test_a_failed_packed_call_fails_its_requests_and_the_engine_goes_on(
     assert [run.tokens(i)[0] for i in range(3)] == _alone(on, reqs)
 
 
+def test_rows_crossing_kv_windows(model_dir, make_profile, tmp_path, monkeypatch) -> None:
+    """KV windows 16 and 32 added at load (their batch signatures cloned): requests at
+    different positions move up through the windows while packed, at different steps (so a
+    call's rows can sit in different windows); each request's tokens are still those it gets
+    alone."""
+    from agent.model.tflite import layout as kv_layout
+
+    monkeypatch.setattr(kv_layout, "SMALLEST_WINDOW", 16)
+    profile = make_profile(runtime={"xnnpack_weight_cache_dir": str(tmp_path / "xnnpack")})
+    limits = EngineLimits(max_active=4, event_tokens=1)
+    engine = Engine.load(profile, model_dir, quantization="fp32", limits=limits)
+    try:
+        runner = engine.loaded.runner
+        assert [w.length for w in runner.layout.all_windows()] == [16, 32, 64]
+        assert engine.info.batch_sizes == BATCH
+        params = [GREEDY, *(SamplingParams(temperature=0.9, seed=k) for k in (7, 8, 9))]
+        reqs = [
+            GenerateRequest(p, max_tokens=36, sampling=s, speculation="off")
+            for p, s in zip(PROMPTS[:4], params, strict=True)
+        ]
+        want = _ends(engine, reqs)
+        assert max(len(t) for t, _ in want) > 20  # some cross window 32
+        run = Run(engine)
+        run.start(reqs)
+        assert [run.tokens(i) for i in range(4)] == want
+        small = sum(runner.costs.calls(f"kv{w}_decode_batch_{b}") for w in (16, 32) for b in BATCH)
+        assert small > 0 and engine.packing.steps > 0
+    finally:
+        engine.close()
+
+
 def test_a_model_without_batch_signatures_serves_unpacked(tiny_model_dir, dev_profile_data):
     engine = _open(tiny_model_dir, dev_profile_data, True)
     try:
