@@ -60,3 +60,9 @@ def remember_prefix(
         return
     rows = runner.read_rows(p.kv, n)
     prefix.insert(p.ids[:n], KVSnapshot(model_sha256, tuple(p.ids[:n]), rows))
+
+
+def history(p: Prepared) -> list[int]:
+    """The conversation the model sees before the first generated token: a session's rows
+    in the KV and what this turn feeds (drafts come from it; a repetition penalty's window)."""
+    return (p.session.tokens[: p.session.kv_len] if p.session is not None else []) + p.ids

@@ -23,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from agent.base.errors import (
@@ -34,7 +34,8 @@ from agent.base.errors import (
     SessionLost,
     Unavailable,
 )
-from agent.engine.binding import PREFIX_BLOCK, bind, held_tokens, remember_prefix
+from agent.engine.batching.packing import Packing
+from agent.engine.binding import PREFIX_BLOCK, bind, held_tokens, history, remember_prefix
 from agent.engine.generation import Generation
 from agent.engine.intake import Intake
 from agent.engine.kvpool import KVPool
@@ -74,7 +75,9 @@ class Engine(SessionCalls, Stopping):
             model.loaded.memory, profile.kv, self.limits.max_active, self.limits.max_sessions
         )
         self.meta, self.tokenizer, self.chat = model.meta, model.tokenizer, model.chat
-        self.loaded, self.info = model.loaded, dataclasses.replace(model.info, memory=self.memory)
+        self.packing = Packing(model.loaded.runner, self.limits.batch_decode)
+        self.loaded = model.loaded
+        self.info = dataclasses.replace(model.info, memory=self.memory, **self.packing.info())
         self.max_sessions = self.limits.max_sessions
         self._stop_ids = model.stop_ids
         kvc = profile.kv
@@ -283,7 +286,7 @@ class Engine(SessionCalls, Stopping):
                 start_pos=start,
                 max_tokens=p.max_tokens,
                 # repetition_penalty looks back over the conversation as the model sees it
-                sampler=Sampler(p.sampling, _history(p)),
+                sampler=Sampler(p.sampling, history(p)),
                 stop=p.stop,
                 stop_ids=self._stop_ids,
                 prefill_chunk=self.profile.generation.prefill_chunk,
@@ -296,7 +299,7 @@ class Engine(SessionCalls, Stopping):
                 queued_at=p.handle.submitted_at,
                 # drafts come from the whole conversation: a session's history is in its KV
                 speculator=speculator_for(
-                    p.speculation, self.loaded.runner, _history(p), self._acceptance
+                    p.speculation, self.loaded.runner, history(p), self._acceptance
                 ),
             )
 
@@ -340,7 +343,10 @@ class Engine(SessionCalls, Stopping):
                     # idle, or every running request waits for its consumer
                     self._cv.wait(HEARTBEAT_S if not self._sched.running else 0.002)
                     continue
-            if p is not None:
+                rows = self.packing.group(self._sched, p, self._ready) if p is not None else []
+            if rows:
+                self.packing.step(rows, self._run)
+            elif p is not None:
                 self._step(p)
             else:
                 self._in_stall = True
@@ -354,34 +360,44 @@ class Engine(SessionCalls, Stopping):
         gen = p.generation
         assert gen is not None
         while True:
-            kind = "internal"  # of an error (ERROR_KINDS)
-            try:
-                events = gen.step()
-            except NonFiniteLogits as exc:  # the model's fault, not a bug: one line, counted
-                log.error("request %s failed: %s", p.handle.id, exc)
-                with self._cv:
-                    self._tally.totals["nonfinite"] += 1
-                events, kind = [gen.fail(str(exc))], "nonfinite"
-            except ConstraintFailed as exc:  # the request's grammar, not a bug: one line
-                log.warning("request %s failed: %s", p.handle.id, exc)
-                events, kind = [gen.fail(str(exc))], "constraint"
-            except Exception as exc:  # one failed request must not take the engine down
-                log.exception("request %s failed", p.handle.id)
-                events = [gen.fail(str(exc))]
-            if gen.done and self._cut and events[-1].finish_reason == "cancelled":
-                events[-1] = dataclasses.replace(events[-1], error=STOPPING_CUT)
-            if gen.done:  # before the final event: a client that continues the session at once
-                self._retire(p, events[-1], kind)  # must find it idle, not "already running"
-            sent = False
-            for e in events:
-                sent = p.handle.emit(e) or sent
-            if sent:
-                # A decode call holds the GIL, so the consumer thread this event woke would
-                # wait for the interpreter's switch interval or longer; sleep(0) lets it take
-                # the GIL now.
-                time.sleep(0)
+            sent, events = self._run(p, gen.step)
             if sent or not events or gen.done or self._others():
                 return
+
+    def _run(
+        self, p: Prepared, work: Callable[[], list[TokenEvent]]
+    ) -> tuple[bool, list[TokenEvent]]:
+        """Run one unit of `p`'s work, retire it when done, emit its events; whether an event
+        reached the consumer, and the events."""
+        gen = p.generation
+        assert gen is not None
+        kind = "internal"  # of an error (ERROR_KINDS)
+        try:
+            events = work()
+        except NonFiniteLogits as exc:  # the model's fault, not a bug: one line, counted
+            log.error("request %s failed: %s", p.handle.id, exc)
+            with self._cv:
+                self._tally.totals["nonfinite"] += 1
+            events, kind = [gen.fail(str(exc))], "nonfinite"
+        except ConstraintFailed as exc:  # the request's grammar, not a bug: one line
+            log.warning("request %s failed: %s", p.handle.id, exc)
+            events, kind = [gen.fail(str(exc))], "constraint"
+        except Exception as exc:  # one failed request must not take the engine down
+            log.exception("request %s failed", p.handle.id)
+            events = [gen.fail(str(exc))]
+        if gen.done and self._cut and events[-1].finish_reason == "cancelled":
+            events[-1] = dataclasses.replace(events[-1], error=STOPPING_CUT)
+        if gen.done:  # before the final event: a client that continues the session at once
+            self._retire(p, events[-1], kind)  # must find it idle, not "already running"
+        sent = False
+        for e in events:
+            sent = p.handle.emit(e) or sent
+        if sent:
+            # A decode call holds the GIL, so the consumer thread this event woke would
+            # wait for the interpreter's switch interval or longer; sleep(0) lets it take
+            # the GIL now.
+            time.sleep(0)
+        return sent, events
 
     def _others(self) -> bool:
         """Whether anything but the one running request wants the loop: another running or
@@ -428,9 +444,3 @@ class Engine(SessionCalls, Stopping):
                 stats.decode_tok_s,
                 extra={"request_id": p.handle.id, "model": self.info.name},
             )
-
-
-def _history(p: Prepared) -> list[int]:
-    """The conversation the model sees before the first generated token: a session's rows
-    in the KV and what this turn feeds (drafts come from it; a repetition penalty's window)."""
-    return (p.session.tokens[: p.session.kv_len] if p.session is not None else []) + p.ids

@@ -204,8 +204,27 @@ class Generation:
             return [self._finish(end[0], text, tuple(ids), flush=end[1])]
         return [TokenEvent(text, tuple(ids))]
 
+    def decode_input(self) -> tuple[KVCache, int, int] | None:
+        """(cache, input token, position) of this request's next step when it is a plain
+        decode step another caller may run (`Runner.decode_batch`, then `take_logits`); None
+        when it is anything else: done, cancelled, past its deadline, prefilling, or a request
+        that speculates (its step may be a verify call)."""
+        if self.done or self.prefilling or (self._spec is not None and self.generated):
+            return None
+        if self.cancel.is_set():
+            return None
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            return None
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+        return self._kv, self._next_input, self._pos
+
     def _decode_one(self) -> list[TokenEvent]:
-        logits = self._runner.decode(self._kv, self._next_input, self._pos)
+        return self.take_logits(self._runner.decode(self._kv, self._next_input, self._pos))
+
+    def take_logits(self, logits: np.ndarray) -> list[TokenEvent]:
+        """Finish the decode step `decode_input` described, given its logits row: sample,
+        check stops and limits, and return the events (exactly what a step alone does)."""
         self._pos += 1
         if logits is not self._logits_of:  # the runner's own array: its view is made once
             self._logits_of, self._logits_view = logits, logits[: self._vocab]

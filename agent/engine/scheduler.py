@@ -99,6 +99,28 @@ class Scheduler(Generic[T]):
                 return item
         return None
 
+    def follow(self, ready: Callable[[T], bool], joins: Callable[[T], bool], limit: int) -> list[T]:
+        """Up to `limit` requests whose turns come right after the one `next` returned, in
+        round-robin order, that `joins` accepts: they share its step (packed decode) and so
+        take their turns now. A request `ready` rejects is passed over, as `next` passes it;
+        the first that does not join ends the run (its turn comes next, as before)."""
+        n = len(self.running)
+        taken: list[T] = []
+        moved = 0
+        for i in range(n - 1):  # the current request sits just before the cursor
+            if len(taken) >= limit:
+                break
+            item = self.running[(self._cursor + i) % n]
+            if not ready(item):
+                continue
+            if not joins(item):
+                break
+            taken.append(item)
+            moved = i + 1
+        if n:
+            self._cursor = (self._cursor + moved) % n
+        return taken
+
     def finish(self, item: T) -> None:
         """A running request is done: free its slot."""
         i = self.running.index(item)

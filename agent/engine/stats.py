@@ -42,6 +42,8 @@ class ModelInfo:
     memory: MemoryPlan
     prepared: str = "none"  # the runtime's copy of the file: what it changed, or why refused
     digest: str = ""  # agent.model.directory.model_digest of every file that defines the model
+    batch_sizes: tuple[int, ...] = ()  # packed decode's rows per call in use (agent.engine.packing)
+    batch_problem: str = ""  # why packed decode is off ("" when on)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,8 @@ class EngineLimits:
     # a paused request whose consumer has read nothing for this long is cancelled: a client
     # that stops reading must not hold a running slot (and so other clients) forever
     consumer_stall_s: float = 60.0
+    # pack running requests' decode steps into the model's batch signatures (agent.engine.packing)
+    batch_decode: bool = True
 
 
 @dataclass(frozen=True, slots=True)

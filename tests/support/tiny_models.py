@@ -212,6 +212,7 @@ class TinyModelFactory:
         enable_hlfb: bool = True,
         decode_windows: Sequence[int] = (),
         verify_lens: Sequence[int] = (),
+        batch_sizes: Sequence[int] = (),
     ) -> Path:
         """A model directory (``model_<quant>.tflite`` files, tokenizer, metadata.json).
 
@@ -231,6 +232,7 @@ class TinyModelFactory:
                 "enable_hlfb": False,
                 "decode_windows": list(decode_windows),
                 "verify_lens": list(verify_lens),
+                **({"batch_sizes": list(batch_sizes)} if batch_sizes else {}),
             }
             return _build_elsewhere(self.root, "model_dir", kwargs)
         from agent.model.directory import write_model_dir_metadata
@@ -250,6 +252,7 @@ class TinyModelFactory:
                     *(() if enable_hlfb else ("unfused",)),
                     *((tuple(decode_windows),) if decode_windows else ()),
                     *((("verify", *verify_lens),) if verify_lens else ()),
+                    *((("batch", *batch_sizes),) if batch_sizes else ()),
                 )
             ).encode()
         ).hexdigest()[:10]
@@ -268,6 +271,7 @@ class TinyModelFactory:
                 enable_hlfb=enable_hlfb,
                 decode_windows=decode_windows,
                 verify_lens=verify_lens,
+                batch_sizes=batch_sizes,
             )
             files.append((f"model_{q}.tflite", q, src))
         tok = self.tokenizer()

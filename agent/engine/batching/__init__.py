@@ -1,0 +1,1 @@
+"""Batching: several requests' steps in one runtime call (packed decode)."""
