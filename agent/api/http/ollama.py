@@ -211,7 +211,12 @@ class Ollama:
         api = self._api
         for again in (False, True):
             engine = self._engine(body["model"])
-            parsed = parse(body, engine, api._max_tokens, api._owner(request))
+            try:
+                parsed = parse(body, engine, api._max_tokens, api._owner(request))
+            except HttpError as exc:  # named as the OpenAI field: say Ollama's
+                if exc.param not in shapes.RENAMED:
+                    raise
+                raise HttpError(str(exc).replace(exc.param, shapes.RENAMED[exc.param])) from None
             try:
                 handle, events = await self._queue(engine, parsed)
                 return engine, parsed, handle, events

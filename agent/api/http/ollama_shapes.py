@@ -34,6 +34,8 @@ OPTIONS: Final = {
     "presence_penalty": ("presence_penalty", float),
     "frequency_penalty": ("frequency_penalty", float),
 }
+# the OpenAI body's fields an error may name → what the Ollama client sent
+RENAMED: Final = {"max_tokens": "options.num_predict", "response_format": "format"}
 ROLES: Final = ("system", "user", "assistant", "tool")
 
 

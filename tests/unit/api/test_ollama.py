@@ -263,7 +263,7 @@ def test_home_assistant_requests(sock: Path, name: str) -> None:
         (
             b'{"model": "MODEL", "messages": [{"role": "user"}], "options": {"num_predict": 9999}}',
             400,
-            "limit",
+            "options.num_predict = 9999 is above",
         ),
     ],
 )
