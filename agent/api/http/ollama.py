@@ -41,6 +41,8 @@ NOT_HERE: Final = {
     "on the device, or roll it out as a fleet update",
     "push": "models are not pushed over this API: models reach devices as fleet updates",
     "embed": "embeddings are not served: this daemon has no embedding model path yet",
+    "manage": "models are not created, copied or deleted over this API: use `edge-agent model "
+    "import` on the device, or fleet updates",
 }
 
 
@@ -72,7 +74,21 @@ class Ollama:
             ("/api/embeddings", "embed"),
         ):
             routes.append(Route(path, self._guard(_refuse(what)), methods=post))
-        return routes
+        for path in ("/api/create", "/api/copy", "/api/delete"):
+            methods = ["DELETE"] if path == "/api/delete" else post
+            routes.append(Route(path, self._guard(_refuse("manage")), methods=methods))
+        known = {r.path: sorted(r.methods or ()) for r in routes}
+
+        async def unknown(request: Request) -> Response:  # after the rest: Ollama's shape
+            path, method = request.url.path, request.method
+            if path in known:
+                allow = ", ".join(m for m in known[path] if m != "HEAD")
+                error = {"error": f"{method} {path}: method not allowed; allowed: {allow}"}
+                return JSONResponse(error, status_code=405, headers={"Allow": allow})
+            raise HttpError(f"{method} {path}: no such endpoint", status=404)
+
+        methods = ["GET", "POST", "PUT", "DELETE", "PATCH"]
+        return [*routes, Route("/api/{rest:path}", self._guard(unknown), methods=methods)]
 
     def _guard(
         self, endpoint: Callable[[Request], Awaitable[Response]]

@@ -104,6 +104,13 @@ def test_model_listing_show_ps_version(sock: Path, name: str) -> None:
         with pytest.raises(ollama.ResponseError) as err:
             call()
         assert err.value.status_code == 501 and words in err.value.error, err.value.error
+    with pytest.raises(ollama.ResponseError) as err:
+        c.delete(name)
+    assert err.value.status_code == 501 and "model import" in err.value.error
+    r = raw(sock, "GET", "/api/chat")
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and set(r.json()) == {"error"}
+    r = raw(sock, "POST", "/api/nothing-here")
+    assert r.status_code == 404 and "no such endpoint" in r.json()["error"]
 
 
 def test_chat_and_generate_equal_the_openai_endpoint(daemon: Daemon, sock: Path, name: str) -> None:
