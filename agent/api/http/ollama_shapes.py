@@ -115,7 +115,10 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(stream, bool):
         raise bad("stream must be a boolean")
     keep_alive(body)
-    return {"model": model_name(body), "stream": stream, **_options(body), **_format(body)}
+    out = {"model": model_name(body), "stream": stream, **_options(body), **_format(body)}
+    if body.get("session") is not None:  # the OpenAI path's extension: the engine's session
+        out["session"] = body["session"]
+    return out
 
 
 def _tool_calls(i: int, raw: Any) -> list[dict[str, Any]]:

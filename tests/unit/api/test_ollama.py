@@ -132,6 +132,9 @@ def test_chat_and_generate_equal_the_openai_endpoint(daemon: Daemon, sock: Path,
         sock, "POST", "/v1/completions", json={"prompt": "x = ", "max_tokens": 12, "temperature": 0}
     )
     assert "".join(ch.response or "" for ch in streamed) == r.json()["choices"][0]["text"]
+    # the session extension reaches the engine: an unknown one is its NotFound
+    r = raw(sock, "POST", "/api/chat", json={"model": name, "messages": msgs, "session": "nope"})
+    assert r.status_code == 404 and "session" in r.json()["error"], r.text
     loaded = c.chat(model=name, messages=[], keep_alive="5m")
     assert loaded.done and loaded.done_reason == "load"
 
