@@ -41,7 +41,7 @@ from agent.status.value import AgentStatus, ProbeFigures
 
 log = logging.getLogger(__name__)
 
-APIS = ("grpc", "http")
+APIS = ("grpc", "http", "ollama")
 REFUSALS = ("refused", "overloaded")  # never ran: a bad request / unavailable, or queue full
 OUTCOMES = FINISH_REASONS + REFUSALS
 STATES = ("starting", "serving", "reloading", "stopping")  # AgentStatus.state

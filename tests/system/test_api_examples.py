@@ -182,6 +182,14 @@ def check(block: Block, out: str) -> None:
     code = block.text
     if "/metrics" in code:
         assert "edge_agent_requests_total" in out
+    elif code.startswith("curl") and "/api/chat" in code:  # Ollama's NDJSON stream
+        chunks = [json.loads(line) for line in lines]
+        assert [c["done"] for c in chunks] == [False] * (len(chunks) - 1) + [True], out
+        assert chunks[-1]["done_reason"] in ("stop", "length") and chunks[-1]["eval_count"] >= 1
+        assert "".join(c["message"]["content"] for c in chunks), out
+    elif "import ollama" in code:
+        assert lines[0] == "['edge-demo-pystdlib']", out
+        assert json.loads(json.loads(lines[-1])) in ({"ok": True}, {"ok": False}), out
     elif code.startswith("curl"):
         reply = json.loads(out)
         assert reply["object"] == "chat.completion" and reply["choices"][0]["message"]

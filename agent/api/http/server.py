@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from agent.api import unixsocket
 from agent.api.http import connections
+from agent.api.http.ollama import Ollama
 from agent.api.http.openai import Api, Backend, Counter
 from agent.base.errors import HostError
 from agent.base.keyfile import read_key
@@ -74,8 +75,10 @@ class HttpServer:
             stats,
         )
         listen = [cfg.http.tcp.rpartition(":")[0]] if cfg.http.tcp else []
+        starlette = api.app()
+        starlette.router.routes.extend(Ollama(api).routes())  # Ollama's API beside it
         app = RequestGuard(
-            api.app(),
+            starlette,
             allowed_hosts(listen, cfg.http.allowed_hosts),
             frozenset(cfg.http.allowed_origins),
         )

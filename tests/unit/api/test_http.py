@@ -658,3 +658,38 @@ def test_metrics_count_http_requests(daemon: Daemon, sock: Path) -> None:
     outcome = done.choices[0].finish_reason  # "length", or "stop" if the model drew its EOS
     assert sum(s.value for s in http_done if s.labels["outcome"] == outcome) >= 1
     assert any(s.labels["outcome"] == "refused" and s.value >= 1 for s in http_done)
+
+
+def test_ollama_stream_disconnect_frees_the_slot_and_a_full_queue_is_429(
+    one_slot: tuple[Daemon, Path],
+) -> None:
+    """Ollama's API (agent.api.http.ollama) shares the request path: a client hanging up
+    mid-stream cancels its request, and a full queue is a 429 in Ollama's error shape."""
+    import ollama  # the Ollama client, only here (tests/unit/api/test_ollama.py: the rest)
+
+    d, path = one_slot
+    name = raw(path, "GET", "/v1/models").json()["data"][0]["id"]
+    body = {"model": name, "prompt": "import os\n", "raw": True}
+    options = {"num_predict": 900, "temperature": 1.0, "seed": 3}
+    c = ollama.Client(host="http://localhost", transport=httpx.HTTPTransport(uds=str(path)))
+    running = c.generate(**body, options=options, stream=True)
+    next(running)
+    assert _active(d) == 1
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), timeout=60) as h:
+        url = "http://localhost/api/generate"
+        with h.stream("POST", url, json={**body, "options": options}) as queued:
+            assert queued.status_code == 200  # queued behind the running one
+            r = raw(path, "POST", "/api/generate", json={**body, "stream": False})
+            assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+            assert set(r.json()) == {"error"}
+    running.close()  # the client hangs up
+    _wait_idle(d)
+    deadline = time.monotonic() + 30  # both cancelled ones logged (a condition, not a sleep)
+    while time.monotonic() < deadline:
+        if len(re.findall(r"ollama r\d+: stream closed early; cancelled", d.read_log())) == 2:
+            break
+        time.sleep(0.02)
+    else:
+        raise AssertionError("not both streams cancelled:\n" + d.read_log())
+    again = c.generate(**body, options={"num_predict": 3})
+    assert again.done and again.done_reason in ("stop", "length")

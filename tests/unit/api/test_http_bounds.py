@@ -316,6 +316,25 @@ def test_host_and_origin_of_a_web_page_are_refused(short: Daemon) -> None:
     assert "refused: Host 'evil.example" in short.read_log()
 
 
+def test_ollamas_endpoints_take_the_same_key_host_and_origin_rules(short: Daemon) -> None:
+    """Ollama's API (agent.api.http.ollama) on the same listeners: no key is a 401 in Ollama's
+    error shape; a web page's Host or Origin is refused before any endpoint runs."""
+    for path in ("/api/tags", "/api/version"):
+        r = unix(short, "GET", path)
+        assert r.status_code == 401 and set(r.json()) == {"error"}, r.text
+        assert "API key" in r.json()["error"]
+        assert unix(short, "GET", path, headers=AUTH).status_code == 200
+    body = {"model": "x", "messages": [{"role": "user", "content": "x"}], "stream": False}
+    r = tcp(
+        short, "POST", "/api/chat", json=body, headers={**AUTH, "Origin": "http://evil.example"}
+    )
+    assert r.status_code == 403, r.text
+    port = tcp_address(short).rpartition(":")[2]
+    r = tcp(short, "GET", "/api/tags", headers={**AUTH, "Host": f"evil.example:{port}"})
+    assert r.status_code == 403, r.text
+    assert tcp(short, "GET", "/api/tags", headers=AUTH).status_code == 200
+
+
 def test_the_unit_leaves_room_for_the_limits(short: Daemon) -> None:
     unit = (ROOT / "systemd" / "edge-agent.service").read_text()
     (nofile,) = re.findall(r"^LimitNOFILE=(\d+)$", unit, re.M)
