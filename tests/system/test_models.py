@@ -327,3 +327,28 @@ def test_a_busy_model_is_not_evicted_the_load_is_refused_until_it_is_idle(
         assert int(st["x"]["evictions"]) == 1
     finally:
         assert d.stop() == 0, d.read_log()
+
+
+def test_ollamas_api_routes_by_model_name(several: Daemon) -> None:
+    """Ollama's API (docs/API.md "Ollama API") with named models: /api/tags lists every model,
+    a request goes to the model it names (its tokens, as the OpenAI endpoint gives them), an
+    unknown name is Ollama's 404 naming the models."""
+    import ollama
+
+    uds = str(several.socket.with_name("agent-http.sock"))
+    o = ollama.Client(host="http://localhost", transport=httpx.HTTPTransport(uds=uds))
+    assert [m.model for m in o.list().models] == ["tiny", "demo", "brief"]
+    api = sdk(several)
+    for name in ("demo", "tiny"):
+        want = api.completions.create(model=name, prompt=PROMPT, max_tokens=8, temperature=0)
+        got = o.generate(
+            model=f"{name}:latest",
+            prompt=PROMPT,
+            raw=True,
+            options={"num_predict": 8, "temperature": 0},
+        )
+        assert got.response == want.choices[0].text, name
+    assert "demo" in [m.model for m in o.ps().models]
+    with pytest.raises(ollama.ResponseError) as e:
+        o.generate(model="nope", prompt=PROMPT, raw=True)
+    assert e.value.status_code == 404 and "tiny" in str(e.value), e.value

@@ -115,13 +115,29 @@ class Ollama:
 
         return handle
 
-    def _engine(self, name: str | None = None) -> Engine:
-        """The engine serving now; `name` must be its model (a ":latest" tag allowed)."""
-        engine = self._api._backend.engine()
+    def _named(self) -> bool:
+        """Whether the daemon serves named models (`[models]`, docs/CONFIG.md)."""
+        return bool(self._api._backend.config.models.entries)
+
+    async def _engine(self, name: str | None = None, keep_alive_s: float | None = None) -> Engine:
+        """Model `name`'s engine (a ":latest" tag allowed; None: the default), loaded when it
+        is not (named models); with one model, `name` must be it."""
+        backend = self._api._backend
+        if name is not None and self._named():
+            return await backend.engine_for(name.removesuffix(":latest"), keep_alive_s)
+        engine = backend.engine()
         served = engine.info.name
         if name is not None and name not in (served, f"{served}:latest"):
             raise NotFound(f"model {name!r} not found; this server serves {served!r}")
         return engine
+
+    def _loaded_engines(self) -> list[tuple[str, Engine | None, Any]]:
+        """(name, engine or None when unloaded, its state) of every model, the default first."""
+        backend = self._api._backend
+        if not self._named():
+            engine = backend.engine()
+            return [(engine.info.name, engine, None)]
+        return [(st.name, backend.current(st.name), st) for st in backend.model_states()]
 
     # ------------------------------------------------------------------ model listing
 
@@ -150,26 +166,50 @@ class Ollama:
             },
         }
 
+    def _listed(self, name: str, engine: Engine | None, state: Any) -> dict[str, Any]:
+        """A model's /api/tags entry under its name; an unloaded one from its state."""
+        if engine is not None:
+            return {**self._entry(engine), "name": name, "model": name}
+        return {
+            "name": name,
+            "model": name,
+            "modified_at": datetime.fromtimestamp(0, UTC).isoformat(),
+            "size": state.estimate_bytes,
+            "digest": "",
+            "details": {
+                "parent_model": "",
+                "format": "tflite",
+                "family": name,
+                "families": [name],
+                "parameter_size": "",
+                "quantization_level": state.quantization,
+            },
+        }
+
     async def tags(self, request: Request) -> Response:
-        return JSONResponse({"models": [self._entry(self._engine())]})
+        return JSONResponse({"models": [self._listed(*m) for m in self._loaded_engines()]})
 
     async def ps(self, request: Request) -> Response:
-        engine = self._engine()
-        entry = self._entry(engine)
-        del entry["modified_at"]
-        entry.update(
-            expires_at="9999-12-31T23:59:59Z",  # loaded for as long as the daemon runs
-            size_vram=0,
-            context_length=engine.info.context_length,
-        )
-        return JSONResponse({"models": [entry]})
+        loaded = []
+        for name, engine, _state in self._loaded_engines():
+            if engine is None:
+                continue
+            entry = self._listed(name, engine, None)
+            del entry["modified_at"]
+            entry.update(
+                expires_at="9999-12-31T23:59:59Z",  # until its keep_alive (not computed here)
+                size_vram=0,
+                context_length=engine.info.context_length,
+            )
+            loaded.append(entry)
+        return JSONResponse({"models": loaded})
 
     async def show(self, request: Request) -> Response:
         body = await self._api._body(request)
         name = body.get("model", body.get("name"))
         if not isinstance(name, str) or not name:
             raise HttpError("model is required (a string)")
-        engine = self._engine(name)
+        engine = await self._engine(name)
         gen = engine.profile.generation
         params = {
             "temperature": gen.temperature,
@@ -202,19 +242,20 @@ class Ollama:
         body = await self._api._body(request)
         converted = shapes.chat_body(body)
         if not converted["messages"]:  # Ollama's "load the model" request
-            return self._loaded(body, chat=True)
+            return await self._loaded(body, chat=True)
         return await self._generate(request, converted, convert.chat_request, chat=True)
 
     async def generate(self, request: Request) -> Response:
         body = await self._api._body(request)
         converted, chat = shapes.generate_body(body)
         if not body.get("prompt"):
-            return self._loaded(body, chat=False)
+            return await self._loaded(body, chat=False)
         parse = convert.chat_request if chat else convert.completion_request
         return await self._generate(request, converted, parse, chat=False)
 
-    def _loaded(self, body: dict[str, Any], *, chat: bool) -> Response:
-        name = self._engine(shapes.model_name(body)).info.name
+    async def _loaded(self, body: dict[str, Any], *, chat: bool) -> Response:
+        asked = shapes.model_name(body)
+        name = (await self._engine(asked)).info.name if not self._named() else asked
         reason = "unload" if shapes.keep_alive(body) else "load"
         out: dict[str, Any] = {"model": name, "created_at": shapes.now()}
         out.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
@@ -225,8 +266,9 @@ class Ollama:
     ) -> tuple[Engine, convert.Parsed, RequestHandle, EventPipe[TokenEvent]]:
         """Check and queue on the engine serving now (once more if a reload switched it)."""
         api = self._api
+        keep_alive = convert.model_of({"keep_alive": body.get("keep_alive")})[1]
         for again in (False, True):
-            engine = self._engine(body["model"])
+            engine = await self._engine(body["model"], keep_alive)
             try:
                 parsed = parse(body, engine, api._max_tokens, api._owner(request))
             except HttpError as exc:  # named as the OpenAI field: say Ollama's
@@ -237,7 +279,8 @@ class Ollama:
                 handle, events = await self._queue(engine, parsed)
                 return engine, parsed, handle, events
             except Unavailable:
-                if again or api._backend.engine() is engine:
+                current = api._backend.current(body["model"]) if self._named() else None
+                if again or (current or api._backend.engine()) is engine:
                     raise
         raise AssertionError("unreachable")
 

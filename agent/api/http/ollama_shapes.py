@@ -118,6 +118,8 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     out = {"model": model_name(body), "stream": stream, **_options(body), **_format(body)}
     if body.get("session") is not None:  # the OpenAI path's extension: the engine's session
         out["session"] = body["session"]
+    if body.get("keep_alive") is not None:  # how long its model stays loaded ([models])
+        out["keep_alive"] = body["keep_alive"]
     return out
 
 
