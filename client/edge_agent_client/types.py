@@ -112,6 +112,8 @@ class ModelInfo:
     kv_bytes_per_session: int
     kv_caches: int
     prepared: str
+    batch_sizes: tuple[int, ...]  # packed decode's rows per call; () when it does not pack
+    batch_problem: str  # why it does not ("" when it does)
 
 
 @dataclass(frozen=True, slots=True)

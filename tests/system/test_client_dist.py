@@ -103,6 +103,8 @@ with Client(sock, key="app-one") as c:
     out["health"] = c.health()
     info = c.model_info()
     assert isinstance(info, ModelInfo) and isinstance(info.signatures, tuple)
+    # a file without batch signatures is served one request at a time, and says why
+    assert info.batch_sizes == () and "batch signatures" in info.batch_problem, info
     out["model"] = info.name
     st = c.status()
     assert isinstance(st, Status) and st.state == "serving", st

@@ -283,4 +283,6 @@ def model_info_message(i: ModelInfo, tiers: TierStats) -> pb.ModelInfo:
         kv_bytes_per_session=i.memory.kv_per_session,
         kv_caches=i.memory.sessions,
         prepared=i.prepared,
+        batch_sizes=list(i.batch_sizes),
+        batch_problem=i.batch_problem,
     )
