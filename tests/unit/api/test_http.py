@@ -52,7 +52,7 @@ def raw(path: Path, method: str, url: str, **kw: Any) -> httpx.Response:
 
 
 def tcp_address(d: Daemon) -> str:
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # a safety net: the line comes with READY
     while time.monotonic() < deadline:
         m = re.search(r"http: OpenAI-compatible API on [^\n]*?(127\.0\.0\.1:\d+)", d.read_log())
         if m:

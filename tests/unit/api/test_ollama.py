@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import ollama
 import pytest
 
 from tests.support.daemon_harness import Daemon
+from tests.unit.api.test_http import tcp_address
 from tests.unit.chat.test_chat import make_chat_dir
 from tests.unit.chat.test_toolcalls import CITY, DIGIT, HERMES
 
@@ -69,16 +69,6 @@ def openai_chat(sock: Path, **body: Any) -> str:
     r = raw(sock, "POST", "/v1/chat/completions", json={"temperature": 0, **body})
     assert r.status_code == 200, r.text
     return str(r.json()["choices"][0]["message"]["content"])
-
-
-def tcp_address(d: Daemon) -> str:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = re.search(r"http: OpenAI-compatible API on [^\n]*?(127\.0\.0\.1:\d+)", d.read_log())
-        if m:
-            return m.group(1)
-        time.sleep(0.05)
-    raise AssertionError("no TCP address in the log:\n" + d.read_log())
 
 
 def test_model_listing_show_ps_version(sock: Path, name: str) -> None:

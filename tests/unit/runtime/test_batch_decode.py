@@ -17,6 +17,7 @@ from agent.runtime import litert
 from agent.runtime.batch import plan_rows
 from agent.runtime.prepare import cachefiles
 from tests.support.tiny_models import LEGACY
+from tests.unit.runtime.test_verify_signatures import reference as verify_reference
 
 BATCH = (2, 4)
 VOCAB = 256
@@ -33,21 +34,8 @@ def batched(tiny_model_factory) -> Any:
 
 def reference(path: Path, tokens: list[int]) -> np.ndarray:
     """Logits of each step of `path`'s decode signature run one token at a time from position 0
-    by a bare ai_edge_litert Interpreter."""
-    from ai_edge_litert.interpreter import Interpreter
-
-    run = Interpreter(model_path=str(path), num_threads=2).get_signature_runner("decode")
-    kv = {
-        name: np.zeros(d["shape"], d["dtype"])
-        for name, d in run.get_input_details().items()
-        if name.startswith("kv_cache_")
-    }
-    logits = []
-    for pos, token in enumerate(tokens):
-        res = run(tokens=np.array([[token]], np.int32), input_pos=np.array([pos], np.int32), **kv)
-        kv = {k: res[k] for k in kv}
-        logits.append(res["logits"].reshape(-1).copy())
-    return np.stack(logits)
+    by a bare ai_edge_litert Interpreter (test_verify_signatures' reference)."""
+    return verify_reference(path, tokens)[0]
 
 
 def _stream(seed: int, n: int = 40) -> list[int]:
