@@ -304,7 +304,10 @@ def system_venv(emulator: Emulator, wheel: Path) -> Path:
     with ``Emulator.run(..., exe=...)``. Keyed like `site_dirs`.
     """
     base = cache_dir() / "sites"
-    key = hashlib.sha256("\n".join([emulator.root.name, *_requires(wheel)]).encode())
+    # the root's whole path: the venv's pyvenv.cfg names its interpreter there, so a venv made
+    # for a root at another path (a cache copied or a checkout moved) would run without its
+    # stdlib's extension modules
+    key = hashlib.sha256("\n".join([str(emulator.root.resolve()), *_requires(wheel)]).encode())
     venv = base / f"venv-{emulator.root.name}-{key.hexdigest()[:12]}"
     python = venv / "bin" / "python3.11"
     with locked(base / f".{emulator.root.name}.lock"):
