@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -175,7 +176,13 @@ def test_it_halts_at_the_first_wave_over_the_threshold_and_retry_is_the_only_sec
     with sim(broker, models, tmp_path / "fleet", devices) as fleet:
         rep = run_rollout(opts(broker), store, "r-halt")
         assert rep.state == "halted" and rep.halted
-        assert "wave 2: 3 of 10 finished devices failed (30.0% > 20.0%" in rep.reason
+        # the 3 failures halt it once the verdict is certain: with every device of the wave
+        # finished, or (a loaded machine) with devices still in flight, which cannot change it
+        assert re.search(
+            r"wave 2: 3 of (10 finished devices failed \(30\.0% > 20\.0%|\d finished devices "
+            r"failed, over 20\.0% even if the \d not final yet commit \(30\.0%\))",
+            rep.reason,
+        ), rep.reason
         assert [w.offered for w in rep.waves] == [2, 8, 0]
         assert [w.state for w in rep.waves] == ["ended", "halted", "pending"]
         reasons = dict(rep.waves[1].failed_by_reason)
