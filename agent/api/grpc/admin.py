@@ -13,6 +13,7 @@ is removed, and a start removes what a killed install left (`INCOMING_PREFIX`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -80,7 +81,7 @@ class UpdatesService(admin_pb2_grpc.UpdatesServicer):
                         raise _Refused(f"the payload is longer than the manifest's {limit} bytes")
                     out.write(chunk.payload)
                 out.flush()
-                os.fsync(out.fileno())
+                await asyncio.to_thread(os.fsync, out.fileno())  # not on the daemon's loop
             if limit is None:
                 raise _Refused("no chunk: the first carries the signed manifest")
             status = await self._backend.install(signed, args, part)

@@ -255,7 +255,8 @@ class Ollama:
 
     async def _loaded(self, body: dict[str, Any], *, chat: bool) -> Response:
         asked = shapes.model_name(body)
-        name = (await self._engine(asked)).info.name if not self._named() else asked
+        engine = await self._engine(asked)  # an unknown name: 404; a named model: loaded now
+        name = asked if self._named() else engine.info.name
         reason = "unload" if shapes.keep_alive(body) else "load"
         out: dict[str, Any] = {"model": name, "created_at": shapes.now()}
         out.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
