@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from agent.api.grpc.admin import admin_socket
 from agent.ota.artifact.bundle import read_bundle
 from agent.ota.artifact.signing import sign
@@ -214,6 +216,9 @@ def test_update_install_commit_rollback_and_status_from_the_command_line(
         r = _cli("update", "status", *sock)
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
         assert "none was installed" in r.stderr
+        # malformed install streams and decisions: INVALID_ARGUMENT, nothing left behind
+        _malformed_admin_calls(admin_socket(d.socket), models, tmp_path)
+        assert not list((tmp_path / "state").rglob(".incoming-*"))
         # a file that is not a bundle: exit 2, one line, the daemon untouched
         junk = tmp_path / "junk.tar"
         junk.write_bytes(b"not a bundle")
@@ -250,3 +255,26 @@ def test_update_install_commit_rollback_and_status_from_the_command_line(
     # no daemon at the socket: exit 2 naming it
     r = _cli("update", "status", *sock)
     assert r.returncode == 2 and "no edge-agent daemon answers" in r.stderr, r.stderr
+
+
+def _malformed_admin_calls(sock: Path, models: Models, tmp: Path) -> None:  # noqa: F811
+    import grpc
+
+    from agent.pb.edge_agent.admin.v1 import admin_pb2 as apb
+    from agent.pb.edge_agent.admin.v1 import admin_pb2_grpc
+
+    signed, payload = read_bundle(bundle(models, tmp, version=9))
+    too_long = [b"\0" * (payload.size + 1)]
+    with grpc.insecure_channel(f"unix:{sock}") as ch:
+        stub = admin_pb2_grpc.UpdatesStub(ch)  # type: ignore[no-untyped-call]
+        for chunks in (
+            [apb.InstallChunk(payload=b"x")],  # no manifest first
+            [apb.InstallChunk(signed_manifest=b"\xff\x00junk")],  # not a SignedManifest
+            [apb.InstallChunk(signed_manifest=signed.SerializeToString(), payload=too_long[0])],
+        ):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Install(iter(chunks), timeout=60)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Decide(apb.DecideRequest(update_id="x"), timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
